@@ -1,0 +1,49 @@
+"""Shared fixtures: the ``target`` matrix (llvm always; cuda where a GPU is present, marked ``gpu``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+# On the GPU machine the runtime-only TVM needs its CUDA backend loaded before anything touches CUDA.
+_payload = os.environ.get("TVMKV_PAYLOAD")
+if _payload:
+    sys.path.insert(0, _payload)
+    import tvm_cuda_runtime  # noqa: F401
+
+import tvm  # noqa: E402
+
+
+def _has_gpu() -> bool:
+    try:
+        return tvm.cuda(0).exist
+    except Exception:
+        return False
+
+
+HAS_GPU = _has_gpu()
+TARGETS = ["llvm", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                               pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")])]
+
+
+@pytest.fixture(params=TARGETS)
+def target(request) -> str:
+    """Target kind of the kernels under test: "llvm" or "cuda"."""
+    return request.param
+
+
+def device_of(target_kind: str):
+    return tvm.cpu(0) if target_kind == "llvm" else tvm.cuda(0)
+
+
+def to_dev(array: np.ndarray, target_kind: str):
+    """NumPy -> tvm.runtime.Tensor on the target's device (bfloat16 goes through ml_dtypes)."""
+    return tvm.runtime.tensor(np.ascontiguousarray(array), device_of(target_kind))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

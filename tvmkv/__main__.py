@@ -1,0 +1,20 @@
+"""``python -m tvmkv {build,replay} ...``"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"build": "tvmkv.build", "replay": "tvmkv.replay"}
+    if not argv or argv[0] not in commands:
+        print("usage: python -m tvmkv {build,replay} [options]   (--help after a command for its options)")
+        return 2
+    import importlib
+
+    return importlib.import_module(commands[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""TIR kernel factories, one module per family. See docs/layout.md for every array's layout.
+
+Each factory is a pure function of a :class:`KernelSpec` (plus keyword-only variant flags) that
+returns a ``tvm.tirx.PrimFunc`` with runtime sizes symbolic. Nothing here compiles or does I/O;
+``tvmkv.build`` does that.
+"""
+
+from __future__ import annotations
+
+from .spec import KernelSpec
+
+ROPE_MODES = ("none", "normal", "inline")
+
+
+def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = False) -> dict:
+    """Every kernel one cache configuration needs, by name (the names ``tvmkv.runtime`` calls).
+
+    ``rope_mode`` "normal" makes ``split_rope`` rotate q and k; "inline" makes the attention kernels
+    rotate inside; ``sliding`` selects the sliding-window/attention-sink attention variants.
+    """
+    from . import append, decode, merge, page_ops, prefill, ragged, rope
+
+    if rope_mode not in ROPE_MODES:
+        raise ValueError(f"rope_mode={rope_mode!r} is not one of {ROPE_MODES}")
+    inline = rope_mode == "inline"
+    return {
+        "append": append.make_append(spec),
+        "split_rope": rope.make_split_rope(spec, rotate=rope_mode == "normal"),
+        "paged_prefill_none": prefill.make_paged_prefill(spec, mask="none", sliding=sliding, inline_rope=inline),
+        "paged_prefill_causal": prefill.make_paged_prefill(
+            spec, mask="causal", sliding=sliding, inline_rope=inline
+        ),
+        "paged_prefill_tree": prefill.make_paged_prefill(spec, mask="tree", sliding=sliding, inline_rope=inline),
+        "paged_decode": decode.make_paged_decode(spec, sliding=sliding, inline_rope=inline),
+        "ragged_prefill_causal": ragged.make_ragged_prefill(spec, mask="causal", inline_rope=inline),
+        "ragged_prefill_tree": ragged.make_ragged_prefill(spec, mask="tree", inline_rope=inline),
+        "merge_state": merge.make_merge_state(spec),
+        "copy_page": page_ops.make_copy_page(spec),
+        "compact_copy": page_ops.make_compact_copy(spec),
+        "gather": page_ops.make_gather(spec),
+    }
+
+
+__all__ = ["KernelSpec", "kernel_set", "ROPE_MODES"]
