@@ -1,0 +1,145 @@
+"""Long randomized soak of ``PagedAttentionKVCache`` against the NumPy model (tests/test_stateful.py).
+
+Runs ``--ops`` random operations (valid ones and deliberate misuse, on a cache with few pages) with
+tiny shapes and one layer. Every operation's outcome (success, or which exception) is predicted and
+checked, with ``check_integrity()``, lengths and free pages checked after every operation; attention
+outputs are checked on every forward; stored K/V are compared with the model every ``--kv-every``
+operations. Every ``--reset-every`` operations all sequences are removed and the free list must be
+whole again (a leak check), then a fresh episode starts with the next seed.
+
+    .venv/bin/python bench/soak.py --ops 100000 --seed 0 --target llvm
+
+Prints one progress line per episode batch and a final summary (operations run, mismatches,
+leaked pages, wall time, rate); ``--json PATH`` also writes the summary as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_harness():
+    """Import tests/test_stateful.py (the generator, runner and shrinker) by path."""
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("tvmkv_stateful", ROOT / "tests" / "test_stateful.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", type=int, default=100_000, help="operations to run (default 100000)")
+    ap.add_argument("--seed", type=int, default=0, help="first episode seed (episode i uses seed + i)")
+    ap.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
+    ap.add_argument("--page-size", type=int, default=4)
+    ap.add_argument("--num-pages", type=int, default=16, help="pages in the pool (few, so it runs out)")
+    ap.add_argument("--rope-mode", default="normal", choices=["none", "normal", "inline"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--kv-every", type=int, default=50, help="compare stored K/V every N operations")
+    ap.add_argument("--reset-every", type=int, default=2000, help="operations per episode (leak check after)")
+    ap.add_argument("--misuse", type=float, default=0.15, help="probability of a deliberate misuse")
+    ap.add_argument("--max-mismatches", type=int, default=5, help="stop after this many failing episodes")
+    ap.add_argument("--shrink", action="store_true", help="shrink each counterexample (slow)")
+    ap.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0 = none)")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    args = ap.parse_args(argv)
+
+    h = _load_harness()
+    t_build = time.time()
+    cache = h.make_cache(
+        args.target,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        num_layers=1,
+        num_qo_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        rope_mode=args.rope_mode,
+        sliding=True,
+        max_batch_size=4,
+        prefill_chunk_size=32,
+        dtype=args.dtype,
+    )
+    build_s = time.time() - t_build
+    ops_run = rejected = leaked = episodes = 0
+    mismatches, stats = [], {}
+    t0 = time.time()
+    seed = args.seed
+    while ops_run < args.ops and len(mismatches) < args.max_mismatches:
+        if args.time_limit and time.time() - t0 > args.time_limit:
+            break
+        n = min(args.reset_every, args.ops - ops_run)
+        cache.clear()
+        runner = h.StatefulRunner(cache, seed=seed, kv_every=args.kv_every)
+        gen = h.Generator(runner, seed, args.misuse)
+        ops = []
+        try:
+            for _ in range(n):
+                op = gen.next()
+                ops.append(op)
+                runner.step(op)
+            runner.driver.check_kv()
+            pages = runner.drain()
+            leaked += pages
+            if pages:
+                raise h.Mismatch(f"{pages} pages leaked after removing every sequence")
+        except h.Mismatch as err:
+            entry = {"seed": seed, "step": len(ops) - 1, "error": str(err)[:2000]}
+            if args.shrink:
+                entry["shrunk"] = h.shrink(cache, ops, seed)
+            mismatches.append(entry)
+            print(f"MISMATCH seed {seed} step {len(ops) - 1}: {str(err)[:500]}", flush=True)
+        ops_run += runner.steps
+        rejected += runner.rejected
+        for k, v in runner.stats.items():
+            stats[k] = stats.get(k, 0) + v
+        episodes += 1
+        seed += 1
+        elapsed = time.time() - t0
+        print(
+            f"{ops_run:>8} ops  {elapsed:8.1f}s  {ops_run / elapsed:7.0f} ops/s  "
+            f"mismatches {len(mismatches)}  "
+            f"leaked pages {leaked}",
+            flush=True,
+        )
+    wall = time.time() - t0
+    summary = {
+        "operations": ops_run,
+        "episodes": episodes,
+        "rejected_calls": rejected,
+        "mismatches": len(mismatches),
+        "leaked_pages": leaked,
+        "wall_s": round(wall, 1),
+        "ops_per_s": round(ops_run / max(wall, 1e-9), 1),
+        "build_s": round(build_s, 1),
+        "target": args.target,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "page_size": args.page_size,
+        "num_pages": args.num_pages,
+        "rope_mode": args.rope_mode,
+        "kv_every": args.kv_every,
+        "reset_every": args.reset_every,
+        "op_counts": dict(sorted(stats.items())),
+        "failures": mismatches,
+    }
+    print(
+        f"\nsoak: {ops_run} operations ({rejected} rejected as misuse) in {wall:.1f}s "
+        f"({summary['ops_per_s']} ops/s, {episodes} episodes, target {args.target}); "
+        f"mismatches: {len(mismatches)}; leaked pages: {leaked}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    return 1 if mismatches or leaked else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""Attention kernels (paged prefill, paged decode, ragged prefill) against the NumPy references.
+
+Layouts: docs/layout.md. Kernels come from ``tvmkv.build.load_kernels`` (compiled once per
+configuration into build/); the oracle is ``tvmkv.reference.attention`` (fp64, written
+independently of the kernels). Page tables use random, non-contiguous page ids and the unused
+slots of the pool hold random garbage, so a kernel that reads outside its sequence fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import to_dev
+
+from tvmkv.build import load_kernels
+from tvmkv.reference import attention as ref
+from tvmkv.tir.spec import KernelSpec
+
+H_KV = 2
+ROPE_SCALE = 1.0
+ROPE_THETA = 10000.0
+
+# Pairwise cover of dtype x head_dim x page_size x group (every pair of values appears).
+CORE = [
+    ("float32", 64, 1, 1),
+    ("float16", 128, 1, 4),
+    ("float32", 128, 1, 8),
+    ("float16", 128, 16, 1),
+    ("float32", 64, 16, 4),
+    ("float16", 64, 16, 8),
+    ("float32", 128, 64, 1),
+    ("float16", 64, 64, 4),
+    ("float32", 64, 64, 8),
+]
+EXTRA = [
+    ("bfloat16", 64, 16, 4),
+    ("float16", 256, 16, 2),
+    ("float32", 16, 8, 4),
+    ("float16", 64, 256, 2),
+]
+
+
+def _spec(target, cfg) -> KernelSpec:
+    dtype, D, P, group = cfg
+    return KernelSpec(group * H_KV, H_KV, D, P, dtype, target)
+
+
+def _np_dtype(dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def _tol(dtype, rope=False):
+    if dtype == "float32":
+        return 1e-3 if rope else 2e-4
+    return 2e-2 if dtype == "float16" else 4e-2
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(_np_dtype(dtype))
+
+
+def _kernels(spec, *, rope=False, sliding=False):
+    return load_kernels(spec, rope_mode="inline" if rope else "none", sliding=sliding)
+
+
+def _check(o_dev, lse_dev, o_ref, lse_ref, dtype, rope=False):
+    tol = _tol(dtype, rope)
+    o = o_dev.numpy().astype(np.float64)
+    lse = lse_dev.numpy().astype(np.float64)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), "rows without keys differ"
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=tol, rtol=tol)
+    np.testing.assert_allclose(o, o_ref, atol=tol, rtol=tol)
+
+
+class Paged:
+    """Page pool + CSR page tables for sequences of ``kv_lens`` slots (docs/layout.md)."""
+
+    def __init__(self, rng, spec, kv_lens, extra_pages=3):
+        P = spec.page_size
+        npages = [-(-L // P) for L in kv_lens]
+        num_pages = sum(npages) + extra_pages + 1  # the last page is never handed out
+        perm = rng.permutation(num_pages - 1).astype(np.int32)
+        self.page_indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+        self.page_indices = perm[: sum(npages)].copy() if sum(npages) else np.zeros(1, np.int32)
+        self.last_page_len = np.array(
+            [L - (npg - 1) * P if npg else 0 for L, npg in zip(kv_lens, npages, strict=True)], np.int32
+        )
+        shape = (num_pages, 2, spec.num_kv_heads, P, spec.head_dim)
+        self.pages = _rand(rng, shape, spec.dtype)
+        self.kv_window = np.zeros((len(kv_lens), 3), np.int32)
+
+    def tables(self):
+        return [self.page_indptr, self.page_indices, self.last_page_len, self.kv_window]
+
+
+def _random_forest(rng, n):
+    """Random forest of n nodes (parents before children): DFS intervals [n, 2] and depths [n]."""
+    parent = [-1] + [int(rng.integers(-1, k)) for k in range(1, n)]
+    children = [[] for _ in range(n)]
+    for k, p in enumerate(parent):
+        if p >= 0:
+            children[p].append(k)
+    interval = np.zeros((n, 2), np.int32)
+    depth = np.zeros(n, np.int32)
+    clock = 0
+
+    def visit(k, d):
+        nonlocal clock
+        interval[k, 0] = clock
+        depth[k] = d
+        clock += 1
+        for c in children[k]:
+            visit(c, d + 1)
+        interval[k, 1] = clock - 1
+
+    for k in range(n):
+        if parent[k] < 0:
+            visit(k, 0)
+    return interval, depth
+
+
+def _run_paged_prefill(target, spec, lib, mask, hist, new, *, rng, sliding=False, rope=False, tree=False):
+    """Build a batch (history ``hist[b]`` + ``new[b]`` tokens), run both sides, compare."""
+    B = len(hist)
+    kv_lens = [h + m for h, m in zip(hist, new, strict=True)]
+    pg = Paged(rng, spec, kv_lens)
+    n = sum(new)
+    q = _rand(rng, (n, spec.num_qo_heads, spec.head_dim), spec.dtype)
+    q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new, strict=True)]).astype(np.int32)
+    if sliding:
+        for b in range(B):
+            if b % 3 == 2 or hist[b] == 0:
+                continue  # keep some sequences without a window
+            sink = int(rng.integers(0, min(4, hist[b]) + 1))
+            start = int(rng.integers(sink, hist[b] + 1))
+            offset = int(rng.integers(0, 40))
+            pg.kv_window[b] = (sink, start, offset)
+            q_pos[q_indptr[b] : q_indptr[b + 1]] += offset
+    q_tree = np.zeros((1, 2), np.int32)
+    kv_tree_indptr = np.zeros(1, np.int32)
+    kv_tree = np.zeros((1, 3), np.int32)
+    kv_tree_start = np.zeros(1, np.int32)
+    if tree:
+        q_tree = np.zeros((n, 2), np.int32)
+        kv_tree = np.zeros((n, 3), np.int32)
+        for b in range(B):
+            lo, hi = q_indptr[b], q_indptr[b + 1]
+            interval, depth = _random_forest(rng, hi - lo)
+            q_tree[lo:hi] = interval
+            kv_tree[lo:hi, :2] = interval
+            kv_tree[lo:hi, 2] = hist[b] + depth + (pg.kv_window[b, 2] if hist[b] >= pg.kv_window[b, 0] else 0)
+            q_pos[lo:hi] = kv_tree[lo:hi, 2]
+        kv_tree_indptr = q_indptr.copy()
+        kv_tree_start = np.array(hist, np.int32)
+    sm_scale = 1.0 / math.sqrt(spec.head_dim)
+    o_ref, lse_ref = ref.paged_prefill(
+        q,
+        q_indptr,
+        q_pos,
+        pg.pages,
+        *pg.tables(),
+        q_tree,
+        kv_tree_indptr,
+        kv_tree,
+        kv_tree_start,
+        sm_scale,
+        ROPE_SCALE,
+        ROPE_THETA,
+        mask=mask,
+        sliding=sliding,
+        inline_rope=rope,
+    )
+    o = to_dev(np.zeros_like(q), target)
+    lse = to_dev(np.zeros((n, spec.num_qo_heads), np.float32), target)
+    args = [q, q_indptr, q_pos, pg.pages, *pg.tables(), q_tree, kv_tree_indptr, kv_tree, kv_tree_start]
+    lib[f"paged_prefill_{mask}"](*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA)
+    _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
+    return lse_ref
+
+
+def _edge_batch(P):
+    """(history, new) per sequence: empty history, history ending on a page boundary, a single
+    token, and sequences of different lengths."""
+    boundary = P * max(1, 32 // P)
+    return [0, boundary, 37, 13, 2 * P + 5], [5, 4, 1, 7, 3]
+
+
+# ---------------------------------------------------------------- core matrix
+
+
+@pytest.mark.parametrize("cfg", CORE + EXTRA, ids=lambda c: "-".join(map(str, c)))
+def test_paged_prefill(target, cfg, rng):
+    spec = _spec(target, cfg)
+    lib = _kernels(spec)
+    hist, new = _edge_batch(spec.page_size)
+    for mask in ("causal", "none"):
+        lse_ref = _run_paged_prefill(target, spec, lib, mask, hist, new, rng=rng)
+        assert np.isfinite(lse_ref).all()
+
+
+@pytest.mark.parametrize("cfg", CORE + EXTRA, ids=lambda c: "-".join(map(str, c)))
+def test_paged_decode(target, cfg, rng):
+    spec = _spec(target, cfg)
+    lib = _kernels(spec)
+    P = spec.page_size
+    kv_lens = [1, P, 2 * P + 3, 37, 0, 100]  # the empty sequence sees no key
+    B = len(kv_lens)
+    pg = Paged(rng, spec, kv_lens)
+    q = _rand(rng, (B, spec.num_qo_heads, spec.head_dim), spec.dtype)
+    q_pos = np.maximum(np.array(kv_lens, np.int32) - 1, 0)
+    sm_scale = 1.0 / math.sqrt(spec.head_dim)
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA)
+    o = to_dev(np.ones_like(q), target)
+    lse = to_dev(np.zeros((B, spec.num_qo_heads), np.float32), target)
+    args = [q, q_pos, pg.pages, *pg.tables()]
+    lib["paged_decode"](*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA)
+    _check(o, lse, o_ref, lse_ref, spec.dtype)
+    assert np.isneginf(lse.numpy()[4]).all() and (o.numpy()[4].astype(np.float32) == 0).all()
+
+
+def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False):
+    n = sum(new)
+    q = _rand(rng, (n, spec.num_qo_heads, spec.head_dim), spec.dtype)
+    k = _rand(rng, (n, spec.num_kv_heads, spec.head_dim), spec.dtype)
+    v = _rand(rng, (n, spec.num_kv_heads, spec.head_dim), spec.dtype)
+    q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    hist = rng.integers(0, 50, len(new))
+    q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new, strict=True)]).astype(np.int32)
+    q_tree = np.zeros((1, 2), np.int32)
+    if mask == "tree":
+        q_tree = np.zeros((n, 2), np.int32)
+        for b in range(len(new)):
+            lo, hi = q_indptr[b], q_indptr[b + 1]
+            q_tree[lo:hi], depth = _random_forest(rng, hi - lo)
+            q_pos[lo:hi] = hist[b] + depth
+    sm_scale = 1.0 / math.sqrt(spec.head_dim)
+    o_ref, lse_ref = ref.ragged_prefill(
+        q, k, v, q_indptr, q_pos, q_tree, sm_scale, ROPE_SCALE, ROPE_THETA, mask=mask, inline_rope=rope
+    )
+    o = to_dev(np.zeros_like(q), target)
+    lse = to_dev(np.zeros((n, spec.num_qo_heads), np.float32), target)
+    args = [q, k, v, q_indptr, q_pos, q_tree]
+    lib[f"ragged_prefill_{mask}"](
+        *[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA
+    )
+    _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
+
+
+@pytest.mark.parametrize("cfg", CORE[:6] + EXTRA[:2], ids=lambda c: "-".join(map(str, c)))
+def test_ragged_prefill_causal(target, cfg, rng):
+    spec = _spec(target, cfg)
+    _run_ragged(target, spec, _kernels(spec), "causal", [1, 9, 40, 3], rng=rng)
+
+
+# ---------------------------------------------------------------- targeted variants
+
+TREE_CFGS = [CORE[1], CORE[4], CORE[8], EXTRA[0]]
+
+
+@pytest.mark.parametrize("cfg", TREE_CFGS, ids=lambda c: "-".join(map(str, c)))
+def test_tree(target, cfg, rng):
+    spec = _spec(target, cfg)
+    lib = _kernels(spec)
+    _run_paged_prefill(target, spec, lib, "tree", [0, 20, 3 * spec.page_size], [6, 11, 1], rng=rng, tree=True)
+    _run_ragged(target, spec, lib, "tree", [6, 11, 1, 30], rng=rng)
+
+
+SLIDING_CFGS = [("float32", 64, 16, 4), ("float16", 128, 1, 2), ("float32", 64, 4, 1)]
+
+
+@pytest.mark.parametrize("cfg", SLIDING_CFGS, ids=lambda c: "-".join(map(str, c)))
+def test_sliding_window(target, cfg, rng):
+    spec = _spec(target, cfg)
+    lib = _kernels(spec, sliding=True)
+    hist, new = [40, 0, 50, 33, 64, 70], [5, 3, 1, 9, 2, 1]
+    for mask in ("causal", "none"):
+        _run_paged_prefill(target, spec, lib, mask, hist, new, rng=rng, sliding=True)
+    _run_paged_prefill(target, spec, lib, "tree", hist, new, rng=rng, sliding=True, tree=True)
+    # decode: the window hides the middle slots; q_pos is the last slot's logical position
+    P = spec.page_size
+    kv_lens = [70, 2 * P + 1, 45, 5]
+    pg = Paged(rng, spec, kv_lens)
+    pg.kv_window[:] = [(4, 30, 17), (1, 2 * P, 5), (0, 0, 0), (0, 3, 9)]
+    B = len(kv_lens)
+    q = _rand(rng, (B, spec.num_qo_heads, spec.head_dim), spec.dtype)
+    q_pos = np.array([L - 1 + w[2] for L, w in zip(kv_lens, pg.kv_window, strict=True)], np.int32)
+    sm_scale = 1.0 / math.sqrt(spec.head_dim)
+    o_ref, lse_ref = ref.paged_decode(
+        q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA, sliding=True
+    )
+    o_full, lse_full = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA)
+    assert not np.allclose(lse_ref[0], lse_full[0])  # the window matters in this case
+    o = to_dev(np.zeros_like(q), target)
+    lse = to_dev(np.zeros((B, spec.num_qo_heads), np.float32), target)
+    args = [q, q_pos, pg.pages, *pg.tables()]
+    lib["paged_decode"](*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA)
+    _check(o, lse, o_ref, lse_ref, spec.dtype)
+
+
+ROPE_CFGS = [("float32", 64, 16, 4, False), ("float16", 128, 1, 2, False), ("float32", 64, 8, 2, True)]
+
+
+@pytest.mark.parametrize("cfg", ROPE_CFGS, ids=lambda c: "-".join(map(str, c)))
+def test_inline_rope(target, cfg, rng):
+    *core, sliding = cfg
+    spec = _spec(target, tuple(core))
+    lib = _kernels(spec, rope=True, sliding=sliding)
+    hist, new = [0, 30, 17, 64], [4, 6, 1, 3]
+    for mask in ("causal", "tree"):
+        _run_paged_prefill(
+            target, spec, lib, mask, hist, new, rng=rng, sliding=sliding, rope=True, tree=mask == "tree"
+        )
+    for mask in ("causal", "tree"):
+        _run_ragged(target, spec, lib, mask, [5, 1, 12], rng=rng, rope=True)
+    kv_lens = [1, 33, 70]
+    pg = Paged(rng, spec, kv_lens)
+    if sliding:
+        pg.kv_window[2] = (2, 40, 11)
+    B = len(kv_lens)
+    q = _rand(rng, (B, spec.num_qo_heads, spec.head_dim), spec.dtype)
+    q_pos = np.array([L - 1 + w[2] for L, w in zip(kv_lens, pg.kv_window, strict=True)], np.int32)
+    sm_scale = 1.0 / math.sqrt(spec.head_dim)
+    o_ref, lse_ref = ref.paged_decode(
+        q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA, sliding=sliding, inline_rope=True
+    )
+    o = to_dev(np.zeros_like(q), target)
+    lse = to_dev(np.zeros((B, spec.num_qo_heads), np.float32), target)
+    args = [q, q_pos, pg.pages, *pg.tables()]
+    lib["paged_decode"](*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA)
+    _check(o, lse, o_ref, lse_ref, spec.dtype, rope=True)
+
+
+def test_reference_matches_dense_softmax(rng):
+    """The oracle itself: one sequence, no paging subtleties, against a dense causal softmax."""
+    spec = KernelSpec(4, 2, 16, 4, "float32", "llvm")
+    pg = Paged(rng, spec, [10])
+    q = _rand(rng, (3, 4, 16), "float32")
+    o_ref, lse_ref = ref.paged_prefill(
+        q,
+        np.array([0, 3], np.int32),
+        np.array([7, 8, 9], np.int32),
+        pg.pages,
+        *pg.tables(),
+        None,
+        None,
+        None,
+        None,
+        0.25,
+        1.0,
+        1e4,
+        mask="causal",
+    )
+    ids = pg.page_indices
+    k = np.stack([pg.pages[ids[j // 4], 0, :, j % 4] for j in range(10)]).astype(np.float64)  # [10, 2, 16]
+    v = np.stack([pg.pages[ids[j // 4], 1, :, j % 4] for j in range(10)]).astype(np.float64)
+    for r, pos in enumerate([7, 8, 9]):
+        for h in range(4):
+            s = 0.25 * k[: pos + 1, h // 2] @ q[r, h]
+            p = np.exp(s) / np.exp(s).sum()
+            np.testing.assert_allclose(o_ref[r, h], p @ v[: pos + 1, h // 2], rtol=1e-12)
+            np.testing.assert_allclose(lse_ref[r, h], np.log2(np.exp(s).sum()), rtol=1e-12)

@@ -1,0 +1,235 @@
+"""The build cache: artifact names, manifests, cache hits, staleness, the CLI and CUDA fatbin libraries.
+
+CPU only (no GPU needed); the CUDA part needs nvcc and is skipped without it. Cache logic runs on a
+one-kernel set (monkeypatched ``kernel_set``) to stay fast; the CLI tests build the full set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import tvmkv.tir as tir
+from tvmkv import build
+from tvmkv.build import BuildKey, KernelSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")
+HAS_NVCC = True
+try:
+    build.find_nvcc()
+except build.NvccNotFoundError:
+    HAS_NVCC = False
+
+
+def _tiny_kernel_set(spec, *, rope_mode="none", sliding=False):
+    """One real kernel, so cache tests compile in about a second."""
+    from tvmkv.tir import page_ops
+
+    return {"copy_page": page_ops.make_copy_page(spec)}
+
+
+@pytest.fixture
+def tiny(monkeypatch, tmp_path):
+    """A fresh build dir, an empty in-process cache and the one-kernel set."""
+    monkeypatch.setattr(tir, "kernel_set", _tiny_kernel_set)
+    monkeypatch.delenv("TVM_USE_RUNTIME_LIB", raising=False)
+    build.clear_loaded()
+    yield tmp_path
+    build.clear_loaded()
+
+
+def _spec(target="llvm"):
+    return KernelSpec(**SMALL, target_kind=target)
+
+
+def _counts():
+    return dict(build.STATS)
+
+
+def _delta(before):
+    return {k: build.STATS[k] - before[k] for k in before}
+
+
+def test_names_are_deterministic_and_readable():
+    key = BuildKey(_spec())
+    assert key.name == "kvcache_q4_kv2_d64_p16_float16" and key.target_dir == "llvm"
+    assert BuildKey(_spec(), "inline", True).name == "kvcache_q4_kv2_d64_p16_float16_rope-inline_sw"
+    cuda = BuildKey(_spec("cuda"), "normal", False, "sm_80")
+    assert cuda.target_dir == "cuda-sm_80" and cuda.name == "kvcache_q4_kv2_d64_p16_float16_rope-normal"
+    assert BuildKey(_spec()) == BuildKey(_spec()) and hash(BuildKey(_spec())) == hash(BuildKey(_spec()))
+
+
+def test_second_load_is_a_cache_hit(tiny):
+    before = _counts()
+    lib = build.load_kernels(_spec(), build_dir=tiny)
+    assert _delta(before)["compiles"] == 1 and _delta(before)["disk_loads"] == 1
+    assert lib.path == tiny / "llvm" / "kvcache_q4_kv2_d64_p16_float16.so" and "copy_page" in lib
+    assert build.load_kernels(_spec(), build_dir=tiny) is lib  # in-process hit
+    assert _delta(before)["memory_hits"] == 1 and _delta(before)["compiles"] == 1
+    build.clear_loaded()  # a cleared cache reads the artifact from disk, no compiling
+    lib2 = build.load_kernels(_spec(), build_dir=tiny)
+    assert lib2 is not lib and _delta(before)["compiles"] == 1 and _delta(before)["disk_loads"] == 2
+
+
+def test_fresh_process_loads_without_compiling(tiny):
+    build.build_kernel_set(BuildKey(_spec()), tiny)
+    code = (
+        "import json; from tvmkv import build; import tvmkv.tir as t; "
+        "t.kernel_set = lambda *a, **k: (_ for _ in ()).throw(AssertionError('recompiled')); "
+        f"spec = build.KernelSpec(**{SMALL!r}, target_kind='llvm'); "
+        f"lib = build.load_kernels(spec, build_dir={str(tiny)!r}); "
+        "print(json.dumps(build.STATS))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TVM_USE_RUNTIME_LIB"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    assert stats["compiles"] == 0 and stats["disk_loads"] == 1
+
+
+def test_manifests_record_config_target_version_kernels_hashes(tiny):
+    import tvm
+
+    key = BuildKey(_spec(), "inline", True)
+    path = build.build_kernel_set(key, tiny)
+    entry = json.loads(path.with_suffix(".json").read_text())
+    assert entry["config"] == {**SMALL, "target_kind": "llvm"}
+    assert (entry["rope_mode"], entry["sliding"], entry["target"]) == ("inline", True, "llvm")
+    assert entry["tvm_version"] == tvm.__version__ and entry["kernels"] == ["copy_page"]
+    assert entry["sources_hash"] == build.sources_hash() and len(entry["sha256"]) == 64
+    assert entry["library"] == path.name and entry["nbytes"] == path.stat().st_size
+    top = json.loads((tiny / "llvm" / "manifest.json").read_text())
+    assert top["target"] == "llvm" and top["tvm_version"] == tvm.__version__
+    assert [a["name"] for a in top["artifacts"]] == [key.name] and top["artifacts"][0] == entry
+
+
+def test_stale_sources_hash_triggers_rebuild(tiny):
+    key = BuildKey(_spec())
+    path = build.build_kernel_set(key, tiny)
+    man = path.with_suffix(".json")
+    before = _counts()
+    assert build.build_kernel_set(key, tiny) == path and _delta(before)["compiles"] == 0
+    man.write_text(man.read_text().replace(build.sources_hash(), "0000stale0000000"))
+    build.build_kernel_set(key, tiny)
+    assert _delta(before)["compiles"] == 1
+    assert json.loads(man.read_text())["sources_hash"] == build.sources_hash()
+    build.build_kernel_set(key, tiny, force=True)
+    assert _delta(before)["compiles"] == 2
+
+
+def test_runtime_only_trusts_carried_artifacts(tiny, monkeypatch):
+    key = BuildKey(_spec())
+    path = build.build_kernel_set(key, tiny)
+    man = path.with_suffix(".json")
+    man.write_text(man.read_text().replace(build.sources_hash(), "0000stale0000000"))
+    monkeypatch.setenv("TVM_USE_RUNTIME_LIB", "1")
+    before = _counts()
+    assert build.build_kernel_set(key, tiny) == path and _delta(before)["compiles"] == 0
+    with pytest.raises(RuntimeError, match="runtime-only"):
+        build.build_kernel_set(BuildKey(_spec(), "normal"), tiny)
+
+
+def test_dir_manifest_stays_consistent_with_concurrent_writers(tmp_path):
+    target_dir = tmp_path / "llvm"
+    target_dir.mkdir()
+    names = [f"kvcache_fake{i}" for i in range(8)]
+
+    def writer(name):
+        (target_dir / f"{name}.so").write_bytes(b"x")
+        (target_dir / f"{name}.json").write_text(json.dumps({"name": name, "library": f"{name}.so"}))
+        build.write_dir_manifest(target_dir)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    top = json.loads((target_dir / "manifest.json").read_text())
+    assert [a["name"] for a in top["artifacts"]] == sorted(names)
+
+
+def test_config_file_expansion_and_errors():
+    defaults = dict(SMALL, rope_mode="none", sliding=False, target="cuda", arch="sm_90")
+    keys = build.expand_configs(
+        [{"dtype": ["float16", "float32"], "rope_mode": ["none", "inline"]}], defaults
+    )
+    assert len(keys) == 4 and {k.arch for k in keys} == {"sm_90"}
+    assert len(build.expand_configs([{}, {}], defaults)) == 1  # duplicates removed
+    with pytest.raises(ValueError, match="unknown keys"):
+        build.expand_configs([{"head_dims": 64}], defaults)
+    with pytest.raises(ValueError, match="rope_mode"):
+        build.expand_configs([{"rope_mode": "yarn"}], defaults)
+    with pytest.raises(ValueError, match="arch"):
+        build.gencode_flags("sm_70")
+    assert build.gencode_flags("sm_90") == ["-gencode=arch=compute_90a,code=sm_90a"]
+
+
+def test_imports_blob_round_trip():
+    tree = (3).to_bytes(8, "little") + bytes(8) + (1).to_bytes(8, "little") * 2
+    tree += (1).to_bytes(8, "little") * 2
+    table = (1).to_bytes(8, "little") + build._pack_str(b"k") + build._pack_str(b"k")  # {k: FunctionInfo}
+    table += (1).to_bytes(8, "little") + bytes([3, 64, 1, 0])  # arg_types: one handle
+    table += (
+        (1).to_bytes(8, "little") + build._pack_str(b"threadIdx.x") + (1).to_bytes(8, "little") + bytes(4)
+    )
+    cuda = build._pack_str(b"fatbin") + table + build._pack_str(b"\xba\x55payload" + bytes(16))
+    modules = [("_lib", None), ("cuda", cuda)]
+    blob = build.pack_imports_blob(tree, modules)
+    assert build.parse_imports_blob(blob) == (tree, modules)
+    assert build.split_cuda_module_bytes(cuda) == ("fatbin", table, b"\xba\x55payload" + bytes(16))
+
+
+def _cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "tvmkv", "build", *args], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+
+
+def test_cli_rejects_bad_config_with_a_named_error(tmp_path):
+    bad = _cli("--target", "llvm", "--dtype", "int8", "--build-dir", str(tmp_path))
+    assert bad.returncode == 2 and "dtype='int8'" in bad.stderr
+    bad = _cli("--target", "cuda", "--arch", "sm_70", "--build-dir", str(tmp_path))
+    assert bad.returncode == 2 and "arch='sm_70'" in bad.stderr
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="nvcc not found: CUDA libraries would keep source")
+def test_cli_cuda_sm80_sm90_builds_fatbins(tmp_path):
+    """Every kernel's CUDA source compiles with nvcc for sm_80 and sm_90a; the libraries carry fatbins."""
+    config = tmp_path / "configs.json"
+    config.write_text(json.dumps([dict(SMALL)]))
+    env = dict(os.environ, TVMKV_NVCC_CACHE=str(tmp_path / "nvcc"))  # really run nvcc, no cached fatbins
+    out = _cli(
+        "--target",
+        "cuda",
+        "--arch",
+        "sm_80,sm_90",
+        "--config",
+        str(config),
+        "-j",
+        "2",
+        "--build-dir",
+        str(tmp_path),
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for arch in ("sm_80", "sm_90"):
+        lib = tmp_path / f"cuda-{arch}" / "kvcache_q4_kv2_d64_p16_float16.so"
+        mods = build.inspect_library(lib)
+        assert [m["kind"] for m in mods] == ["_lib", "cuda"] and mods[1]["format"] == "fatbin", mods
+        fatbin = build.extract_fatbin(lib)
+        assert fatbin[:4] == b"\x50\xed\x55\xba"  # fatbin magic 0xBA55ED50
+        entry = json.loads(lib.with_suffix(".json").read_text())
+        assert entry["device_format"] == "fatbin" and entry["arch"] == arch
+        top = json.loads((tmp_path / f"cuda-{arch}" / "manifest.json").read_text())
+        assert [a["name"] for a in top["artifacts"]] == ["kvcache_q4_kv2_d64_p16_float16"]
+    again = _cli("--target", "cuda", "--arch", "sm_90", "--config", str(config), "--build-dir", str(tmp_path))
+    assert again.returncode == 0 and "cache hit" in again.stdout and "1 kernel set(s)" in again.stdout
+    sm90_flags = json.loads((tmp_path / "cuda-sm_90" / "kvcache_q4_kv2_d64_p16_float16.json").read_text())
+    assert "-gencode=arch=compute_90a,code=sm_90a" in sm90_flags["nvcc_flags"]

@@ -1,0 +1,82 @@
+"""The one frozen, validated configuration of a :class:`tvmkv.PagedAttentionKVCache`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .tir import ROPE_MODES
+from .tir.spec import KernelSpec
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Static configuration of a paged KV cache (see docs/layout.md).
+
+    ``num_pages`` defaults to enough pages for ``max_total_seq_len`` tokens plus one partially
+    filled page per sequence of a full batch.
+    """
+
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    max_batch_size: int = 32
+    max_total_seq_len: int = 2048
+    prefill_chunk_size: int = 512
+    dtype: str = "float16"
+    rope_mode: str = "none"
+    rope_scale: float = 1.0
+    rope_theta: float = 1e4
+    support_sliding_window: bool = False
+    target_kind: str = "llvm"
+    cuda_arch: str | None = None
+    num_pages: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "max_batch_size", "max_total_seq_len", "prefill_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        self.kernel_spec  # validates heads, head_dim, page_size, dtype, target  # noqa: B018
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_mode not in ROPE_MODES:
+            raise ValueError(f"rope_mode={self.rope_mode!r} is not one of {ROPE_MODES}")
+        if not (self.rope_scale > 0 and math.isfinite(self.rope_scale)):
+            raise ValueError(f"rope_scale={self.rope_scale!r} must be a positive finite float")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta={self.rope_theta!r} must be a positive finite float")
+        if self.num_pages is not None:
+            if not isinstance(self.num_pages, int) or self.num_pages <= 0:
+                raise ValueError(f"num_pages={self.num_pages!r} must be a positive int or None")
+            need = -(-self.max_total_seq_len // self.page_size)
+            if self.num_pages < need:
+                raise ValueError(
+                    f"num_pages={self.num_pages} cannot hold one sequence of max_total_seq_len="
+                    f"{self.max_total_seq_len} tokens (needs {need} pages of {self.page_size}); "
+                    "raise num_pages or lower max_total_seq_len"
+                )
+
+    @property
+    def kernel_spec(self) -> KernelSpec:
+        return KernelSpec(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype,
+                          self.target_kind)
+
+    @property
+    def total_pages(self) -> int:
+        """Pages in each layer's pool."""
+        if self.num_pages is not None:
+            return self.num_pages
+        return -(-self.max_total_seq_len // self.page_size) + self.max_batch_size
+
+    @property
+    def qkv_heads(self) -> int:
+        return self.num_qo_heads + 2 * self.num_kv_heads
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one layer (K and V)."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * itemsize

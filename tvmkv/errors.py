@@ -1,0 +1,37 @@
+"""Named exceptions. Each message names the value, what was expected and what to do."""
+
+from __future__ import annotations
+
+
+class TvmkvError(Exception):
+    """Base class of tvmkv's own exceptions."""
+
+
+class OutOfPagesError(TvmkvError, RuntimeError):
+    """``begin_forward`` (or a fork) needs more free pages than the cache has.
+
+    Raised before anything is allocated, so the caller can preempt a sequence and retry.
+
+    Attributes
+    ----------
+    needed : int
+        Pages the operation needs.
+    available : int
+        Pages free when it was attempted.
+    """
+
+    def __init__(self, needed: int, available: int, what: str = "this forward"):
+        self.needed = needed
+        self.available = available
+        super().__init__(
+            f"{what} needs {needed} free pages but only {available} are free; "
+            "remove, pop or preempt a sequence and retry, or build the cache with more pages"
+        )
+
+
+class ForwardStateError(TvmkvError, RuntimeError):
+    """A forward-protocol call out of order (attention outside begin/end, nested begin, ...)."""
+
+
+class IntegrityError(TvmkvError, AssertionError):
+    """``check_integrity`` found the page accounting inconsistent (a bug in tvmkv)."""

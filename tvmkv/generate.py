@@ -1,0 +1,354 @@
+"""``python -m tvmkv generate``: greedy generation with the tiny Relax Llama on tvmkv's cache, checked.
+
+Several prompts of different lengths are prefilled in chunks of at most ``prefill_chunk_size``
+tokens, mixed into the same forward as the decodes of sequences already running (continuous
+batching: a sequence leaves the batch when it has its ``max_new_tokens`` and its pages are freed).
+One sequence is forked right after its prefill for parallel sampling: the child starts from the
+parent's second most likely token (the parent takes the first), then both decode greedily, sharing
+the prompt's pages. Every step's logits are checked against :mod:`tvmkv.relax.torch_ref`, which
+recomputes each whole sequence without a cache. Exit status 1 when any check fails.
+
+Drivers: ``--interface tvmkv`` (default) drives the cache through its Python methods and the model
+calls ``tvmkv.attention_with_fused_qkv``; ``--interface tvm`` compiles the model against TVM's
+``PagedKVCache`` and drives everything through the ``vm.builtin.*`` functions, as an MLC-style
+engine would, with :class:`tvmkv.relax.TvmBuiltinOverride` installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
+
+
+@dataclass
+class Request:
+    """One prompt: ``max_new_tokens`` greedy tokens are generated for it."""
+
+    seq_id: int
+    prompt: list
+    max_new_tokens: int
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    tokens: list  # prompt + generated tokens
+    prompt_len: int
+    max_new_tokens: int
+    in_cache: int = 0  # tokens whose K/V are in the cache
+    generated: int = 0
+    added: bool = False
+    done: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.in_cache < self.prompt_len
+
+
+@dataclass
+class StepRecord:
+    """What one forward did (also printed as a table row)."""
+
+    step: int
+    parts: list  # (seq_id, first position, number of tokens)
+    tokens: int
+    seconds: float
+    pages_used: int
+    pages_free: int
+    max_err: float | None
+    events: list = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    steps: list
+    outputs: dict  # seq_id -> generated tokens
+    max_err: float | None
+    tolerance: float
+    failures: list  # (step, seq_id, error)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class DirectOps:
+    """Drives a :class:`tvmkv.PagedAttentionKVCache` through its own methods."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def add_sequence(self, seq_id):
+        self.cache.add_sequence(seq_id)
+
+    def remove_sequence(self, seq_id):
+        self.cache.remove_sequence(seq_id)
+
+    def fork_sequence(self, parent, child, fork_pos=-1):
+        self.cache.fork_sequence(parent, child, fork_pos)
+
+    def begin_forward(self, seq_ids, lengths):
+        self.cache.begin_forward(seq_ids, lengths)
+
+    def end_forward(self):
+        self.cache.end_forward()
+
+    def num_available_pages(self) -> int:
+        return self.cache.num_available_pages()
+
+
+class BuiltinOps:
+    """Drives a cache through TVM's ``vm.builtin.*`` globals (as an MLC-style engine does).
+
+    The functions are looked up here, once: construct it after installing the override.
+    """
+
+    def __init__(self, cache):
+        import tvm
+
+        self.cache = cache
+        self._f = {
+            name: tvm.get_global_func("vm.builtin." + name)
+            for name in ("kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
+                         "kv_state_begin_forward", "kv_state_end_forward",
+                         "attention_kv_cache_get_num_available_pages")
+        }
+
+    def add_sequence(self, seq_id):
+        self._f["kv_state_add_sequence"](self.cache, seq_id)
+
+    def remove_sequence(self, seq_id):
+        self._f["kv_state_remove_sequence"](self.cache, seq_id)
+
+    def fork_sequence(self, parent, child, fork_pos=-1):
+        self._f["kv_state_fork_sequence"](self.cache, parent, child, fork_pos)
+
+    def begin_forward(self, seq_ids, lengths):
+        import tvm_ffi
+
+        self._f["kv_state_begin_forward"](self.cache, tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
+
+    def end_forward(self):
+        self._f["kv_state_end_forward"](self.cache)
+
+    def num_available_pages(self) -> int:
+        return int(self._f["attention_kv_cache_get_num_available_pages"](self.cache))
+
+
+def generate(model, ops, requests, *, prefill_chunk_size, max_batch_size, total_pages, reference=None,
+             tolerance=1e-4, fork=None, check_integrity=None, log=print) -> Report:
+    """Run the requests to completion with continuous batching; check logits when ``reference`` is given.
+
+    Parameters
+    ----------
+    model : tvmkv.relax.llama.RelaxLlama
+    ops : DirectOps or BuiltinOps
+        The cache and how it is driven.
+    requests : list of Request
+    prefill_chunk_size, max_batch_size : int
+        Limits of one forward (the cache's).
+    total_pages : int
+        Pages per layer (for the used/free column).
+    reference : tvmkv.relax.torch_ref.TorchLlama, optional
+    tolerance : float
+        Largest allowed ``|logit - reference|``.
+    fork : (parent_seq_id, child_seq_id, max_new_tokens), optional
+        Fork the parent right after its prefill; the child starts from the parent's 2nd best token.
+    check_integrity : callable, optional
+        Called after every step (e.g. ``cache.check_integrity``).
+    log : callable
+        Receives each printed line (``None`` to stay silent).
+    """
+    log = log or (lambda *_: None)
+    seqs = {r.seq_id: _Seq(r.seq_id, list(r.prompt), len(r.prompt), r.max_new_tokens) for r in requests}
+    order = [r.seq_id for r in requests]
+    steps, failures, worst = [], [], None
+    log(f"{'step':>4}  {'batch (seq[start:end])':<44} {'tok':>4} {'ms':>7} {'pages used/free':>15}  max|dlogit|")
+    step = 0
+    while any(not s.done for s in seqs.values()):
+        # ---- schedule: every running decode, then prompt chunks up to the token budget
+        parts = []
+        for sid in order:
+            s = seqs[sid]
+            if not s.done and not s.prefilling and len(parts) < max_batch_size:
+                parts.append((sid, s.in_cache, 1))
+        budget = prefill_chunk_size - len(parts)
+        for sid in order:
+            s = seqs[sid]
+            if s.prefilling and budget > 0 and len(parts) < max_batch_size:
+                n = min(s.prompt_len - s.in_cache, budget)
+                parts.append((sid, s.in_cache, n))
+                budget -= n
+        if not parts:
+            raise RuntimeError("nothing could be scheduled: raise prefill_chunk_size or max_batch_size")
+        for sid, _, _ in parts:
+            if not seqs[sid].added:
+                ops.add_sequence(sid)
+                seqs[sid].added = True
+        ids = [sid for sid, _, _ in parts]
+        tokens = [t for sid, start, n in parts for t in seqs[sid].tokens[start:start + n]]
+        # ---- forward
+        t0 = time.perf_counter()
+        ops.begin_forward(ids, [n for _, _, n in parts])
+        logits = model.forward(tokens, ops.cache)  # [n, V]
+        ops.end_forward()
+        seconds = time.perf_counter() - t0
+        # ---- check against the cache-free reference
+        step_err, row = None, 0
+        for sid, start, n in parts:
+            s = seqs[sid]
+            s.in_cache = start + n
+            if reference is not None:
+                want = reference.logits(s.tokens[:start + n])[start:]
+                err = float(np.abs(logits[row:row + n] - want).max())
+                step_err = err if step_err is None else max(step_err, err)
+                if not err <= tolerance:
+                    failures.append((step, sid, err))
+            row += n
+        if step_err is not None:
+            worst = step_err if worst is None else max(worst, step_err)
+        # ---- sample (greedy), fork, retire
+        events, row = [], 0
+        for sid, start, n in parts:
+            s, last = seqs[sid], logits[row + n - 1]
+            row += n
+            if s.prefilling:
+                continue
+            ranked = np.argsort(-last, kind="stable")
+            s.tokens.append(int(ranked[0]))
+            s.generated += 1
+            if fork is not None and sid == fork[0] and s.generated == 1:
+                child = fork[1]
+                ops.fork_sequence(sid, child, -1)
+                seqs[child] = _Seq(child, s.tokens[:-1] + [int(ranked[1])], s.prompt_len, fork[2],
+                                   in_cache=s.in_cache, generated=1, added=True)
+                order.append(child)
+                events.append(f"fork {sid}->{child} at {s.in_cache}")
+            if s.generated >= s.max_new_tokens:
+                s.done = True
+                ops.remove_sequence(sid)
+                events.append(f"seq {sid} done")
+        if check_integrity is not None:
+            check_integrity()
+        free = ops.num_available_pages()
+        rec = StepRecord(step, parts, len(tokens), seconds, total_pages - free, free, step_err, events)
+        steps.append(rec)
+        batch = " ".join(f"{sid}[{start}:{start + n}]" for sid, start, n in parts)
+        err_txt = "-" if step_err is None else f"{step_err:.1e}" + ("" if step_err <= tolerance else " FAIL")
+        log(f"{step:>4}  {batch:<44} {len(tokens):>4} {seconds * 1e3:>7.1f} {rec.pages_used:>7}/{free:<7}  "
+            f"{err_txt}  {'; '.join(events)}")
+        step += 1
+    outputs = {sid: s.tokens[s.prompt_len:] for sid, s in seqs.items()}
+    return Report(steps, outputs, worst, tolerance, failures)
+
+
+def default_requests(vocab_size: int, seed: int) -> list:
+    """Three prompts of lengths 45, 7 and 23 with 10, 16 and 12 new tokens (seq 0 is the one forked)."""
+    rng = np.random.default_rng(seed + 1)
+    spec = [(0, 45, 10), (1, 7, 16), (2, 23, 12)]
+    return [Request(sid, rng.integers(0, vocab_size, n).tolist(), m) for sid, n, m in spec]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tvmkv generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
+    p.add_argument("--cuda-arch", default=None, help="sm_XX for --target cuda (default: the device's)")
+    p.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
+    p.add_argument("--interface", choices=("tvmkv", "tvm"), default="tvmkv",
+                   help="tvmkv's own nn.Object cache, or TVM's PagedKVCache run on tvmkv (drop-in)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--head-dim", type=int, choices=(64, 128), default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefill-chunk-size", type=int, default=32)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-check", action="store_true", help="skip the PyTorch reference check")
+    p.add_argument("--build-dir", default=None, help="tvmkv kernel cache (default TVMKV_BUILD_DIR or build/)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    import tvm
+
+    import tvmkv
+    from tvmkv.relax import TvmBuiltinOverride
+    from tvmkv.relax.llama import LlamaConfig, RelaxLlama, compile_llama, make_weights
+
+    if args.target == "cuda" and not tvm.cuda(0).exist:
+        print("error: --target cuda but no CUDA device is present; use --target llvm", file=sys.stderr)
+        return 2
+    cfg = LlamaConfig(num_layers=args.layers, head_dim=args.head_dim, dtype=args.dtype, seed=args.seed)
+    weights = make_weights(cfg)
+    device = tvm.cpu(0) if args.target == "llvm" else tvm.cuda(0)
+    arch = args.cuda_arch
+    if args.target == "cuda" and arch is None:
+        arch = "sm_" + device.compute_version.replace(".", "")
+    requests = default_requests(cfg.vocab_size, args.seed)
+    fork = (0, 3, 8)
+    max_total = 4 * sum(len(r.prompt) + r.max_new_tokens for r in requests)
+    sizes = dict(max_batch_size=args.max_batch_size, max_total_seq_len=max_total,
+                 prefill_chunk_size=args.prefill_chunk_size, page_size=args.page_size)
+    print(f"[tvmkv generate] {cfg}\n  target={args.target}{' ' + arch if arch else ''} interface={args.interface} "
+          f"{sizes}")
+    t0 = time.perf_counter()
+    ex, names = compile_llama(cfg, interface=args.interface, target=args.target, cuda_arch=arch)
+    print(f"  model compiled in {time.perf_counter() - t0:.1f}s")
+    override = TvmBuiltinOverride(build_dir=args.build_dir, cuda_arch=arch)
+    t0 = time.perf_counter()
+    with override:  # only needed for interface "tvm"; harmless otherwise
+        model = RelaxLlama(ex, names, weights, cfg, device, interface=args.interface)
+        if args.interface == "tvm":
+            cache = model.create_paged_kv_cache(**sizes)
+            ops = BuiltinOps(cache)
+        else:
+            target = args.target if args.target == "llvm" else tvm.target.Target({"kind": "cuda", "arch": arch})
+            cache = tvmkv.PagedAttentionKVCache(
+                cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **sizes, dtype=cfg.dtype,
+                rope_mode="normal", rope_scale=cfg.rope_scale, rope_theta=cfg.rope_theta, target=target,
+                build_dir=args.build_dir,
+            )
+            ops = DirectOps(cache)
+        print(f"  cache ready in {time.perf_counter() - t0:.1f}s: {type(cache).__module__}.{type(cache).__name__}, "
+              f"{cache.config.total_pages} pages of {cache.config.page_size}")
+        reference = None
+        if not args.no_check:
+            from tvmkv.relax.torch_ref import TorchLlama
+
+            reference = TorchLlama(cfg, weights)
+        report = generate(model, ops, requests, prefill_chunk_size=args.prefill_chunk_size,
+                          max_batch_size=args.max_batch_size, total_pages=cache.config.total_pages,
+                          reference=reference, tolerance=TOLERANCE[cfg.dtype], fork=fork,
+                          check_integrity=cache.check_integrity)
+    total_tokens = sum(s.tokens for s in report.steps)
+    total_s = sum(s.seconds for s in report.steps)
+    dec = [s for s in report.steps if all(n == 1 for _, _, n in s.parts)]
+    print("generated (greedy):")
+    for sid, toks in sorted(report.outputs.items()):
+        print(f"  seq {sid}: {toks}")
+    print(f"throughput: {total_tokens / total_s:.0f} tokens/s over {len(report.steps)} forwards "
+          f"({total_tokens} tokens, {total_s:.2f}s)", end="")
+    if dec:
+        print(f"; decode-only steps {sum(s.tokens for s in dec) / sum(s.seconds for s in dec):.0f} tokens/s")
+    else:
+        print()
+    if reference is None:
+        print("check: skipped (--no-check)")
+        return 0
+    if report.ok:
+        print(f"check: OK, every step's logits match the PyTorch reference (max |diff| {report.max_err:.2e} "
+              f"<= {report.tolerance})")
+        return 0
+    for step, sid, err in report.failures[:10]:
+        print(f"check FAILED: step {step} seq {sid}: max |diff| {err:.3e} > {report.tolerance}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Plain NumPy references (oracles) of the kernels and of the cache. See docs/layout.md."""

@@ -1,0 +1,13 @@
+"""Relax VM integration: models written with ``tvm.relax.frontend.nn`` call tvmkv's cache.
+
+- :class:`TvmkvKVCache` + :func:`register`: tvmkv's own interface (the cache travels into the VM as
+  an argument; each attention layer calls ``tvmkv.attention_with_fused_qkv``).
+- :class:`TvmBuiltinOverride`: drop-in for TVM's ``PagedKVCache`` interface (``vm.builtin.*``).
+- :mod:`tvmkv.relax.llama` / :mod:`tvmkv.relax.torch_ref`: a tiny Llama-style decoder and its
+  cache-free PyTorch reference.
+"""
+
+from .builtins import UNSUPPORTED, TvmBuiltinOverride, register
+from .nn_cache import ATTENTION_FUNC, TvmkvKVCache
+
+__all__ = ["ATTENTION_FUNC", "UNSUPPORTED", "TvmBuiltinOverride", "TvmkvKVCache", "register"]

@@ -1,0 +1,267 @@
+"""Global functions through which a compiled Relax VM reaches tvmkv's cache.
+
+Two routes (see README, "Relax VM"):
+
+- **Own interface** — :func:`register` registers ``tvmkv.attention_with_fused_qkv``, which the
+  ``nn.Object`` :class:`tvmkv.relax.TvmkvKVCache` calls once per attention layer. The cache is
+  created and driven in Python (``add_sequence``, ``begin_forward`` ...) and passed into the VM as an
+  argument.
+- **Drop-in for TVM's interface** — :class:`TvmBuiltinOverride` (a context manager) re-registers the
+  ``vm.builtin.*`` functions that a model written against
+  ``tvm.relax.frontend.nn.llm.kv_cache.PagedKVCache`` and its driver call, so that
+  ``vm.builtin.paged_attention_kv_cache_create`` returns a tvmkv cache and every other function
+  dispatches on ``isinstance(cache, PagedAttentionKVCache)``, delegating to TVM's original otherwise.
+
+A Relax VM resolves the names it calls once, when it is constructed: register (or enter the
+override) **before** ``relax.VirtualMachine(...)``. A VM built earlier keeps the functions it found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tvm_ffi
+
+from ..runtime.cache import PagedAttentionKVCache
+from .nn_cache import ATTENTION_FUNC
+
+_ROPE_MODES = {0: "none", 1: "normal", 2: "inline"}
+_ATTN_KIND_MHA = 0  # tvm.relax.frontend.nn.llm.kv_cache.AttnKind.MHA
+
+CREATE = "vm.builtin.paged_attention_kv_cache_create"
+
+# Functions whose tvmkv version exists, by TVM name; each receives the cache first.
+_SUPPORTED = (
+    "vm.builtin.attention_kv_cache_attention_with_fused_qkv",
+    "vm.builtin.kv_state_add_sequence",
+    "vm.builtin.kv_state_remove_sequence",
+    "vm.builtin.kv_state_fork_sequence",
+    "vm.builtin.kv_state_popn",
+    "vm.builtin.kv_state_begin_forward",
+    "vm.builtin.kv_state_end_forward",
+    "vm.builtin.kv_state_clear",
+    "vm.builtin.attention_kv_cache_get_num_available_pages",
+    "vm.builtin.attention_kv_cache_get_total_sequence_length",
+    "vm.builtin.attention_kv_cache_get_sequence_length",
+    "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq",
+    "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes",
+    "vm.builtin.attention_kv_cache_debug_get_kv",
+    "vm.builtin.attention_kv_cache_get_query_positions",
+)
+
+# Functions of TVM's interface that tvmkv does not implement, and why (also in the README).
+UNSUPPORTED = {
+    "vm.builtin.attention_kv_cache_self_attention": "needs the lse output of a ragged self-attention over "
+    "q/k/v given separately; tvmkv only exposes attention with fused qkv",
+    "vm.builtin.attention_kv_cache_cross_attention": "paged attention without appending (MLA-style split "
+    "attention) is not exposed by tvmkv",
+    "vm.builtin.attention_kv_cache_attention_with_shared_kv": "cross-layer KV sharing is not in tvmkv",
+    "vm.builtin.attention_kv_cache_append_mla_kv": "MLA (one compressed KV head) is not in tvmkv",
+    "vm.builtin.attention_kv_cache_merge_attn_output_inplace": "only used with self/cross attention above",
+    "vm.builtin.kv_cache_disagg_prepare_recv": "disaggregated prefill/decode is not in tvmkv",
+    "vm.builtin.kv_cache_disagg_mark_send": "disaggregated prefill/decode is not in tvmkv",
+}
+
+
+def _attention(cache, layer_id, sm_scale, qkv, out) -> None:
+    """``tvmkv.attention_with_fused_qkv(cache, layer_id, sm_scale, qkv, out)``: writes ``out`` in place."""
+    if not isinstance(cache, PagedAttentionKVCache):
+        raise TypeError(
+            f"{ATTENTION_FUNC} got a {type(cache).__name__} as its cache; pass a tvmkv.PagedAttentionKVCache "
+            "(for TVM's own caches use TVM's PagedKVCache interface)"
+        )
+    cache.attention_with_fused_qkv(layer_id, qkv, sm_scale, out=out)
+
+
+def register() -> None:
+    """Register ``tvmkv.attention_with_fused_qkv`` (idempotent). Call before constructing the VM."""
+    tvm_ffi.register_global_func(ATTENTION_FUNC, _attention, override=True)
+
+
+# ---------------------------------------------------------------------------- drop-in route
+def _begin_forward(cache: PagedAttentionKVCache, seq_ids, append_lengths, token_tree_parent_ptr=None):
+    parents = None if token_tree_parent_ptr is None else list(token_tree_parent_ptr)
+    cache.begin_forward(list(seq_ids), list(append_lengths), parents)
+
+
+def _debug_get_kv(cache: PagedAttentionKVCache, seq_id, start_pos, end_pos, k_data, v_data):
+    """TVM's DebugGetKV: fill ``k_data``/``v_data`` ``[num_layers, end - start, H_kv, D]`` in place."""
+    k, v = cache.debug_get_kv(seq_id, start_pos, end_pos)
+    k_data.copyfrom(np.ascontiguousarray(k))
+    v_data.copyfrom(np.ascontiguousarray(v))
+
+
+def _query_positions(cache: PagedAttentionKVCache):
+    """Logical positions ``[n]`` int32 of the open forward's tokens (a device tensor)."""
+    fwd = cache._fwd  # the planned forward's uploaded index arrays (docs/layout.md, "Ragged queries")
+    if fwd is None:
+        raise RuntimeError("get_query_positions called outside begin_forward/end_forward")
+    return fwd.dev["q_pos"]
+
+
+def _impls() -> dict:
+    C = PagedAttentionKVCache
+    return {
+        "vm.builtin.attention_kv_cache_attention_with_fused_qkv": _attention,
+        "vm.builtin.kv_state_add_sequence": C.add_sequence,
+        "vm.builtin.kv_state_remove_sequence": C.remove_sequence,
+        "vm.builtin.kv_state_fork_sequence": C.fork_sequence,
+        "vm.builtin.kv_state_popn": C.pop_n,
+        "vm.builtin.kv_state_begin_forward": _begin_forward,
+        "vm.builtin.kv_state_end_forward": C.end_forward,
+        "vm.builtin.kv_state_clear": C.clear,
+        "vm.builtin.attention_kv_cache_get_num_available_pages": C.num_available_pages,
+        "vm.builtin.attention_kv_cache_get_total_sequence_length": C.total_sequence_length,
+        "vm.builtin.attention_kv_cache_get_sequence_length": C.sequence_length,
+        "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq": C.enable_sliding_window_for_seq,
+        "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes": (
+            lambda c, seq_ids, leaves: c.commit_accepted_token_tree_nodes(list(seq_ids), list(leaves))
+        ),
+        "vm.builtin.attention_kv_cache_debug_get_kv": _debug_get_kv,
+        "vm.builtin.attention_kv_cache_get_query_positions": _query_positions,
+    }
+
+
+def _unsupported(name: str, why: str):
+    def impl(cache, *args):
+        raise NotImplementedError(f"{name} is not supported by tvmkv's cache: {why}")
+
+    return impl
+
+
+def _dispatching(name: str, impl, original):
+    """A global that runs ``impl`` for a tvmkv cache and TVM's ``original`` for anything else."""
+
+    def func(*args):
+        if args and isinstance(args[0], PagedAttentionKVCache):
+            return impl(*args)
+        if original is None:
+            raise TypeError(f"{name}: no TVM implementation to delegate a {type(args[0]).__name__} to")
+        return original(*args)
+
+    return func
+
+
+class TvmBuiltinOverride:
+    """Run a model written against TVM's ``PagedKVCache`` interface on tvmkv's cache, unchanged.
+
+    While installed (``with TvmBuiltinOverride(): ...`` or ``install()`` / ``uninstall()``):
+
+    - ``vm.builtin.paged_attention_kv_cache_create`` builds a :class:`tvmkv.PagedAttentionKVCache`
+      from its 28 arguments (sizes, heads, head dims, RoPE mode/scale/theta, the dtype and device of
+      its 0-d tensor) and ignores the TIR kernels it is handed (tvmkv brings its own, compiled for the
+      device of that tensor). There is nothing to dispatch on here, hence the explicit mode.
+    - the ``vm.builtin.kv_state_*`` / ``attention_kv_cache_*`` functions listed in ``_SUPPORTED``
+      dispatch on the cache's type: tvmkv's cache goes to tvmkv, any other object to TVM's original;
+      those in :data:`UNSUPPORTED` raise ``NotImplementedError`` for a tvmkv cache.
+
+    ``uninstall`` (or leaving the ``with``) re-registers TVM's originals. The registry is
+    process-wide: construct the VM inside the override, and note that a VM constructed inside keeps
+    calling tvmkv's functions after ``uninstall`` (it resolved the names at construction), which is
+    harmless since they delegate every non-tvmkv cache.
+
+    Parameters
+    ----------
+    num_pages : int, optional
+        Pages per layer of the caches created (default: tvmkv's default for the sizes given).
+    build_dir : path, optional
+        Kernel build cache of the created caches (default ``TVMKV_BUILD_DIR`` or ``build/``).
+    cuda_arch : str, optional
+        ``sm_XX`` of the kernels when the model runs on CUDA (default: the device's compute version).
+    """
+
+    def __init__(self, *, num_pages=None, build_dir=None, cuda_arch=None):
+        self.num_pages = num_pages
+        self.build_dir = build_dir
+        self.cuda_arch = cuda_arch
+        self.created: list = []  # caches created while installed, newest last
+        self._originals: dict | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def install(self) -> TvmBuiltinOverride:
+        if self._originals is not None:
+            raise RuntimeError("this TvmBuiltinOverride is already installed")
+        names = [CREATE, *_SUPPORTED, *UNSUPPORTED]
+        self._originals = {n: tvm_ffi.get_global_func(n, allow_missing=True) for n in names}
+        impls = _impls()
+        register()
+        tvm_ffi.register_global_func(CREATE, self._create, override=True)
+        for name in _SUPPORTED:
+            tvm_ffi.register_global_func(
+                name, _dispatching(name, impls[name], self._originals[name]), override=True
+            )
+        for name, why in UNSUPPORTED.items():
+            tvm_ffi.register_global_func(
+                name, _dispatching(name, _unsupported(name, why), self._originals[name]), override=True
+            )
+        return self
+
+    def uninstall(self) -> None:
+        if self._originals is None:
+            return
+        for name, original in self._originals.items():
+            if original is None:
+                tvm_ffi.remove_global_func(name)
+            else:
+                tvm_ffi.register_global_func(name, original, override=True)
+        self._originals = None
+
+    def __enter__(self) -> TvmBuiltinOverride:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    # ------------------------------------------------------------------ create
+    def _create(self, *args) -> PagedAttentionKVCache:
+        cache = PagedAttentionKVCache(**self.cache_kwargs(*args))
+        self.created.append(cache)
+        return cache
+
+    def cache_kwargs(self, *args) -> dict[str, Any]:
+        """tvmkv constructor arguments from ``paged_attention_kv_cache_create``'s arguments.
+
+        Raises NotImplementedError for what tvmkv lacks: MLA or per-layer sliding attention kinds,
+        ``qk_head_dim != v_head_dim``, disaggregation, RoPE extension factors (longrope), several
+        pipeline stages.
+        """
+        if len(args) < 13:
+            raise TypeError(f"{CREATE} expects TVM 0.27's 28 arguments, got {len(args)}")
+        sizes, partition, hq, hkv, qk_dim, v_dim, kinds, disagg, rope, scale, theta, ext, ref = args[:13]
+        max_batch, max_total, chunk, page_size, sliding = (int(x) for x in list(sizes)[:5])
+        kinds = [int(k) for k in kinds]
+        if any(k != _ATTN_KIND_MHA for k in kinds):
+            raise NotImplementedError(
+                f"attention kinds {kinds} (0=MHA, 1=MLA, 3=per-layer sliding window): tvmkv supports MHA/GQA "
+                "layers only; sliding windows are per sequence (enable_sliding_window_for_seq)"
+            )
+        if int(qk_dim) != int(v_dim):
+            raise NotImplementedError(f"qk_head_dim {qk_dim} != v_head_dim {v_dim}: tvmkv uses one head_dim")
+        if bool(disagg):
+            raise NotImplementedError("enable_disaggregation=True: disaggregated serving is not in tvmkv")
+        if not (isinstance(ext, int | float) and ext == 0):
+            raise NotImplementedError("rope_ext_factors (longrope) are not supported by tvmkv's RoPE kernels")
+        partition = [int(x) for x in partition]
+        if len(partition) != 2 or partition[0] != 0:
+            raise NotImplementedError(f"layer_partition {partition}: tvmkv holds all layers in one stage")
+        if int(rope) not in _ROPE_MODES:
+            raise ValueError(f"rope_mode {rope} is not 0 (none), 1 (normal) or 2 (inline)")
+        num_layers = partition[1]
+        dev_type = ref.device.dlpack_device_type()
+        if dev_type == 1:
+            target = "llvm"
+        elif dev_type == 2:
+            import tvm
+
+            arch = self.cuda_arch or "sm_" + tvm.cuda(ref.device.index).compute_version.replace(".", "")
+            target = tvm.target.Target({"kind": "cuda", "arch": arch})
+        else:
+            raise NotImplementedError(f"device {ref.device}: tvmkv runs on CPU (llvm) and CUDA only")
+        return dict(
+            num_layers=num_layers, num_qo_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(qk_dim),
+            page_size=page_size, max_batch_size=max_batch, max_total_seq_len=max_total,
+            prefill_chunk_size=chunk, dtype=str(ref.dtype), rope_mode=_ROPE_MODES[int(rope)],
+            rope_scale=float(scale), rope_theta=float(theta), support_sliding_window=bool(sliding),
+            target=target, num_pages=self.num_pages, build_dir=self.build_dir,
+        )

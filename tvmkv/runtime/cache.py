@@ -1,0 +1,792 @@
+"""``PagedAttentionKVCache``: sequences, pages and the forward protocol over tvmkv's TIR kernels.
+
+Bookkeeping is plain Python (page lists, a free list, a NumPy ref-count array); device arrays
+appear only where kernels are launched. Layout of every array: docs/layout.md.
+
+Forward protocol (plan/run): ``begin_forward`` validates the whole step, reserves pages and builds
+every index array once; ``attention_with_fused_qkv`` only launches kernels (split/rotate, append,
+attention) for one layer; ``end_forward`` commits (slides windows). Every public operation
+validates first and mutates after, so a failed call leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import CacheConfig
+from ..errors import ForwardStateError, IntegrityError, OutOfPagesError
+from . import tensors
+
+
+@dataclass
+class _Sequence:
+    """One sequence's pages and window/tree state (slot indices are within the sequence)."""
+
+    pages: list = field(default_factory=list)
+    kv_len: int = 0  # slots used in `pages`
+    sink_end: int = 0  # slots [0, sink_end) are the attention sink
+    window_start: int = 0  # slots [sink_end, window_start) are slid out (invalid)
+    pos_offset: int = 0  # logical position of slot j >= sink_end is j + pos_offset
+    window: int = 0  # sliding window size (0 = none)
+    sink: int = 0
+    tree_parent: list = field(default_factory=list)  # uncommitted nodes: parent index or -1
+    tree_depth: list = field(default_factory=list)
+
+    @property
+    def tree_start(self) -> int:
+        """First slot of the uncommitted token-tree nodes."""
+        return self.kv_len - len(self.tree_parent)
+
+    @property
+    def slid(self) -> bool:
+        return self.window_start > self.sink_end or self.pos_offset > 0
+
+    def position(self, slot: int) -> int:
+        return slot if slot < self.sink_end else slot + self.pos_offset
+
+    @property
+    def committed_length(self) -> int:
+        return self.position(self.tree_start) if self.tree_start >= self.sink_end else self.tree_start
+
+    @property
+    def length(self) -> int:
+        return self.committed_length + len(self.tree_parent)
+
+
+@dataclass
+class _Forward:
+    """Everything ``begin_forward`` planned for one step (host arrays and their device copies)."""
+
+    seq_ids: list
+    lengths: list
+    total: int
+    kernel: str  # paged_decode | paged_prefill_causal | paged_prefill_tree | ragged_prefill_causal
+    slides: list  # sequences whose window slides at end_forward
+    dev: dict  # name -> device tensor
+    scratch: dict  # q, k, v, lse device buffers
+
+
+def _as_int(value, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} must be an int") from None
+
+
+def _available_bytes(device) -> int:
+    """Free memory of ``device`` in bytes (MemAvailable for the CPU)."""
+    free = device.available_global_memory if device.dlpack_device_type() != 1 else None
+    if free is None:
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            free = int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            import os
+
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free)
+
+
+def _dfs_intervals(parents: list) -> tuple[np.ndarray, np.ndarray]:
+    """(enter, exit) preorder intervals of a forest given parent indices (parent < child)."""
+    n = len(parents)
+    children = [[] for _ in range(n)]
+    roots = []
+    for i, p in enumerate(parents):
+        (roots if p < 0 else children[p]).append(i)
+    enter = np.zeros(n, np.int32)
+    exit_ = np.zeros(n, np.int32)
+    counter = 0
+    stack = [(r, False) for r in reversed(roots)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            exit_[node] = counter - 1
+            continue
+        enter[node] = counter
+        counter += 1
+        stack.append((node, True))
+        stack.extend((c, False) for c in reversed(children[node]))
+    return enter, exit_
+
+
+class PagedAttentionKVCache:
+    """A paged KV cache for ``num_layers`` attention layers (layout: docs/layout.md).
+
+    Parameters
+    ----------
+    num_layers, num_qo_heads, num_kv_heads, head_dim : int
+        Model shape; ``num_qo_heads`` is a multiple of ``num_kv_heads`` (GQA).
+    page_size : int
+        Tokens per page, a power of two in [1, 256].
+    max_batch_size : int
+        Most sequences in one forward.
+    max_total_seq_len : int
+        Token capacity the page pool is sized for (see ``num_pages``).
+    prefill_chunk_size : int
+        Most new tokens in one forward.
+    dtype : str
+        "float32", "float16" or "bfloat16".
+    rope_mode : str
+        "none", "normal" (K stored rotated) or "inline" (K stored raw, rotated in the kernels).
+    rope_scale, rope_theta : float
+        RoPE angle = position * rope_scale / rope_theta ** (2 i / head_dim).
+    support_sliding_window : bool
+        Build the sliding-window kernels (needed by ``enable_sliding_window_for_seq``).
+    target : str or tvm.target.Target
+        "llvm" (CPU) or "cuda" (an arch may be given as a Target); the device follows.
+    num_pages : int, optional
+        Pages per layer; default ``ceil(max_total_seq_len / page_size) + max_batch_size``.
+    memory_fraction : float, optional
+        Instead of ``num_pages``: size the pool to this fraction of the device's free memory
+        (as vLLM's ``gpu_memory_utilization``), all layers together.
+    build_dir : path, optional
+        Where compiled kernels are cached (default ``build/``).
+    """
+
+    def __init__(self, num_layers, num_qo_heads, num_kv_heads, head_dim, *, page_size=16, max_batch_size=32,
+                 max_total_seq_len=2048, prefill_chunk_size=512, dtype="float16", rope_mode="none",
+                 rope_scale=1.0, rope_theta=1e4, support_sliding_window=False, target="llvm", num_pages=None,
+                 memory_fraction=None, build_dir=None):
+        import tvm
+
+        from ..build import load_kernels
+
+        kind, arch = _parse_target(target)
+        device = tvm.cpu(0) if kind == "llvm" else tvm.cuda(0)
+        if kind == "cuda" and not device.exist:
+            raise RuntimeError("target='cuda' but no CUDA device is present; use target='llvm'")
+        if memory_fraction is not None:
+            if num_pages is not None:
+                raise ValueError("pass num_pages or memory_fraction, not both")
+            if not 0 < memory_fraction <= 1:
+                raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
+            probe = CacheConfig(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size=page_size, dtype=dtype)
+            budget = int(_available_bytes(device) * memory_fraction)
+            num_pages = budget // (probe.page_bytes * num_layers)
+            need = -(-max_total_seq_len // page_size)
+            if num_pages < need:
+                raise ValueError(
+                    f"memory_fraction={memory_fraction} of the device's free memory ({budget} bytes) gives "
+                    f"{num_pages} pages, fewer than the {need} one sequence of max_total_seq_len="
+                    f"{max_total_seq_len} needs; raise memory_fraction or lower max_total_seq_len"
+                )
+        self.config = CacheConfig(
+            num_layers=num_layers, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            page_size=page_size, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size, dtype=dtype, rope_mode=rope_mode,
+            rope_scale=float(rope_scale), rope_theta=float(rope_theta),
+            support_sliding_window=bool(support_sliding_window), target_kind=kind, cuda_arch=arch,
+            num_pages=num_pages,
+        )
+        cfg = self.config
+        self.device = device
+        pool_bytes = cfg.total_pages * cfg.page_bytes * cfg.num_layers
+        free_bytes = _available_bytes(device)
+        if pool_bytes > free_bytes:
+            raise ValueError(
+                f"the page pool needs {pool_bytes / 2**30:.2f} GiB ({cfg.total_pages} pages x {cfg.num_layers} "
+                f"layers) but the device has {free_bytes / 2**30:.2f} GiB free; lower num_pages / "
+                "max_total_seq_len or use memory_fraction"
+            )
+        self._kernels = load_kernels(cfg.kernel_spec, rope_mode=cfg.rope_mode, sliding=cfg.support_sliding_window,
+                                     arch=arch, build_dir=build_dir)
+        shape = (cfg.total_pages, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
+        zeros = np.zeros(shape, tensors.numpy_dtype(cfg.dtype))
+        self.pages = [tvm.runtime.tensor(zeros, self.device) for _ in range(cfg.num_layers)]
+        self._dummy = tvm.runtime.tensor(np.zeros((1, 3), np.int32), self.device)
+        self._ref = np.zeros(cfg.total_pages, np.int32)
+        self._free = list(range(cfg.total_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._seqs: dict = {}
+        self._fwd: _Forward | None = None
+
+    # ------------------------------------------------------------------ queries
+    def num_available_pages(self) -> int:
+        """Pages on the free list (every one of them can be handed out)."""
+        return len(self._free)
+
+    def total_sequence_length(self) -> int:
+        """Sum of ``sequence_length`` over all sequences."""
+        return sum(s.length for s in self._seqs.values())
+
+    def sequence_length(self, seq_id) -> int:
+        """Logical length of ``seq_id``: every token appended and not popped (slid-out tokens count)."""
+        return self._get(seq_id).length
+
+    def sequence_ids(self) -> list:
+        return list(self._seqs)
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self, seq_id) -> None:
+        """Add an empty sequence. KeyError if ``seq_id`` exists."""
+        seq_id = self._check_new_id(seq_id, "seq_id")
+        self._check_no_forward("add_sequence")
+        self._seqs[seq_id] = _Sequence()
+
+    def remove_sequence(self, seq_id) -> None:
+        """Remove ``seq_id``; its pages return to the free list once nothing else holds them."""
+        seq = self._get(seq_id)
+        self._check_no_forward("remove_sequence")
+        self._release(seq.pages)
+        del self._seqs[seq_id]
+
+    def fork_sequence(self, parent_seq_id, child_seq_id, fork_pos=-1) -> None:
+        """Create ``child_seq_id`` holding the first ``fork_pos`` tokens of ``parent_seq_id``.
+
+        Full pages are shared (ref-counted, copy-on-write); a partially shared last page is copied.
+        ``fork_pos=-1`` means the parent's whole (committed) length.
+        """
+        parent = self._get(parent_seq_id)
+        child_id = self._check_new_id(child_seq_id, "child_seq_id")
+        fork_pos = _as_int(fork_pos, "fork_pos")
+        self._check_no_forward("fork_sequence")
+        committed = parent.committed_length
+        if fork_pos == -1:
+            fork_pos = committed
+        if fork_pos < 0:
+            raise ValueError(f"fork_pos {fork_pos} is negative; use -1 for the parent's full length or 0..{committed}")
+        if fork_pos > parent.length:
+            raise ValueError(f"fork_pos {fork_pos} exceeds length {parent.length} of sequence {parent_seq_id}")
+        if fork_pos > committed:
+            raise ValueError(
+                f"fork_pos {fork_pos} is inside the uncommitted token tree of sequence {parent_seq_id} "
+                f"(committed length {committed}); commit the tree first or fork at <= {committed}"
+            )
+        if parent.slid:
+            raise ValueError(
+                f"sequence {parent_seq_id} has slid its window (tokens were dropped); forking it is not supported"
+            )
+        P = self.config.page_size
+        full, partial = divmod(fork_pos, P)
+        if partial and not self._free:
+            raise OutOfPagesError(1, 0, f"fork of sequence {parent_seq_id} at {fork_pos}")
+        child = _Sequence(window=parent.window, sink=parent.sink, sink_end=parent.sink_end,
+                          window_start=parent.sink_end)
+        child.pages = parent.pages[:full]
+        self._ref[child.pages] += 1
+        if partial:
+            page = self._alloc(1)[0]
+            self._copy_page(parent.pages[full], page, partial)
+            child.pages.append(page)
+        child.kv_len = fork_pos
+        self._seqs[child_id] = child
+
+    def pop_n(self, seq_id, n) -> None:
+        """Drop the last ``n`` tokens of ``seq_id`` (pages no longer used are released)."""
+        seq = self._get(seq_id)
+        n = _as_int(n, "n")
+        self._check_no_forward("pop_n")
+        if n < 0:
+            raise ValueError(f"pop_n n={n} is negative; pass 0..{seq.length}")
+        if seq.tree_parent:
+            raise ValueError(
+                f"sequence {seq_id} has {len(seq.tree_parent)} uncommitted token-tree nodes; "
+                "commit or drop them (commit_accepted_token_tree_nodes) before pop_n"
+            )
+        limit = seq.kv_len - seq.window_start if seq.slid else seq.length
+        if n > seq.length:
+            raise ValueError(f"pop_n n={n} exceeds length {seq.length} of sequence {seq_id}")
+        if n > limit:
+            raise ValueError(
+                f"pop_n n={n} reaches into tokens of sequence {seq_id} that its sliding window dropped; "
+                f"at most {limit} can be popped"
+            )
+        self._truncate(seq, seq.kv_len - n)
+
+    def enable_sliding_window_for_seq(self, seq_id, sliding_window_size, attn_sink_size=0) -> None:
+        """Keep only the first ``attn_sink_size`` plus the last ``sliding_window_size - attn_sink_size``
+        tokens of ``seq_id`` (applied now and after every forward; see docs/layout.md)."""
+        seq = self._get(seq_id)
+        window = _as_int(sliding_window_size, "sliding_window_size")
+        sink = _as_int(attn_sink_size, "attn_sink_size")
+        self._check_no_forward("enable_sliding_window_for_seq")
+        if not self.config.support_sliding_window:
+            raise ValueError(
+                "this cache was built with support_sliding_window=False; "
+                "construct it with support_sliding_window=True to use sliding windows"
+            )
+        if window <= 0:
+            raise ValueError(f"sliding_window_size={window} must be positive")
+        if not 0 <= sink <= window:
+            raise ValueError(f"attn_sink_size={sink} must be in [0, sliding_window_size={window}]")
+        if seq.tree_parent:
+            raise ValueError(f"sequence {seq_id} has an uncommitted token tree; commit it first")
+        if seq.slid:
+            raise ValueError(f"sequence {seq_id} already slid its window; its window cannot be changed")
+        seq.window, seq.sink, seq.sink_end, seq.window_start = window, sink, sink, sink
+        self._slide(seq)
+
+    def clear(self) -> None:
+        """Remove every sequence and close any open forward."""
+        self._fwd = None
+        self._seqs.clear()
+        self._ref[:] = 0
+        self._free = list(range(self.config.total_pages - 1, -1, -1))
+
+    # ------------------------------------------------------------------ forward protocol
+    def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
+        """Plan one forward: ``append_lengths[i]`` new tokens for ``seq_ids[i]``.
+
+        ``token_tree_parent_ptr`` (optional, length ``sum(append_lengths)``): for each new token, the
+        index of its parent among the sequence's uncommitted nodes (earlier rounds first, then this
+        round's tokens in order), or -1 for a root that follows the committed tokens.
+        Raises before changing anything: KeyError, ValueError, ForwardStateError, OutOfPagesError.
+        """
+        cfg = self.config
+        if self._fwd is not None:
+            raise ForwardStateError("begin_forward called while a forward is open; call end_forward first")
+        seq_ids = [self._known_id(s) for s in seq_ids]
+        lengths = [_as_int(n, "append_lengths[i]") for n in append_lengths]
+        if not seq_ids:
+            raise ValueError("begin_forward needs at least one sequence")
+        if len(lengths) != len(seq_ids):
+            raise ValueError(f"append_lengths has {len(lengths)} entries for {len(seq_ids)} seq_ids")
+        if len(set(seq_ids)) != len(seq_ids):
+            dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
+            raise ValueError(f"seq_id {dup} appears twice in one forward; merge its tokens into one entry")
+        for s, n in zip(seq_ids, lengths):
+            if n <= 0:
+                raise ValueError(f"append length {n} of sequence {s} must be positive")
+        if len(seq_ids) > cfg.max_batch_size:
+            raise ValueError(f"batch of {len(seq_ids)} sequences exceeds max_batch_size={cfg.max_batch_size}")
+        total = sum(lengths)
+        if total > cfg.prefill_chunk_size:
+            raise ValueError(
+                f"{total} new tokens exceed prefill_chunk_size={cfg.prefill_chunk_size}; split the forward into chunks"
+            )
+        seqs = [self._seqs[s] for s in seq_ids]
+        tree = token_tree_parent_ptr is not None
+        parents = self._check_tree(seq_ids, seqs, lengths, token_tree_parent_ptr) if tree else None
+        if not tree:
+            for s, seq in zip(seq_ids, seqs):
+                if seq.tree_parent:
+                    raise ValueError(
+                        f"sequence {s} has {len(seq.tree_parent)} uncommitted token-tree nodes; commit them "
+                        "(commit_accepted_token_tree_nodes) or pass token_tree_parent_ptr"
+                    )
+        P = cfg.page_size
+        needed = 0
+        for seq, n in zip(seqs, lengths):
+            cow = seq.kv_len % P != 0 and self._ref[seq.pages[-1]] > 1
+            needed += -(-(seq.kv_len + n) // P) - len(seq.pages) + int(cow)
+        if needed > len(self._free):
+            raise OutOfPagesError(needed, len(self._free))
+        # ---- validated: from here on nothing raises for a reason the caller controls
+        history = [seq.kv_len for seq in seqs]
+        for seq, n in zip(seqs, lengths):
+            if seq.kv_len % P and self._ref[seq.pages[-1]] > 1:  # copy-on-write of a shared partial page
+                page = self._alloc(1)[0]
+                self._copy_page(seq.pages[-1], page, seq.kv_len % P)
+                self._release([seq.pages[-1]])
+                seq.pages[-1] = page
+            grow = -(-(seq.kv_len + n) // P) - len(seq.pages)
+            seq.pages.extend(self._alloc(grow))
+        host = self._plan_arrays(seqs, lengths, history, parents)
+        for seq, n, i in zip(seqs, lengths, range(len(seqs))):
+            seq.kv_len += n
+            if tree:
+                seq.tree_parent.extend(parents[i][0])
+                seq.tree_depth.extend(parents[i][1])
+        if tree:
+            kernel = "paged_prefill_tree"
+        elif all(n == 1 for n in lengths):
+            kernel = "paged_decode"
+        elif all(h == 0 for h in history):
+            kernel = "ragged_prefill_causal"
+        else:
+            kernel = "paged_prefill_causal"
+        self._fwd = _Forward(
+            seq_ids=seq_ids, lengths=lengths, total=total, kernel=kernel,
+            slides=[seq for seq in seqs if seq.window],
+            dev=self._upload(host), scratch=self._scratch(total),
+        )
+
+    def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
+        """Append this layer's new K/V and compute attention for the tokens of the open forward.
+
+        Parameters
+        ----------
+        layer_id : int
+            Layer in ``[0, num_layers)``.
+        qkv : numpy.ndarray | torch.Tensor | tvm.runtime.Tensor
+            ``[total_new_tokens, H_qo + 2 H_kv, D]`` of the cache dtype, tokens in ``begin_forward``
+            order (docs/layout.md, "Fused qkv"), on the cache's device (NumPy is copied over).
+        sm_scale : float, optional
+            Softmax scale, default ``head_dim ** -0.5``.
+        out : same kind as ``qkv``, optional
+            ``[total_new_tokens, H_qo, D]``, written in place when given.
+
+        Returns
+        -------
+        ``[total_new_tokens, H_qo, D]`` attention output, the same kind as ``qkv``.
+        """
+        cfg = self.config
+        fwd = self._fwd
+        if fwd is None:
+            raise ForwardStateError("attention_with_fused_qkv called outside begin_forward/end_forward")
+        layer = _as_int(layer_id, "layer_id")
+        if not 0 <= layer < cfg.num_layers:
+            raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
+        sm_scale = cfg.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+        if not math.isfinite(sm_scale):
+            raise ValueError(f"sm_scale={sm_scale} must be finite")
+        kind = self._check_array(qkv, "qkv", (fwd.total, cfg.qkv_heads, cfg.head_dim))
+        if out is not None:
+            if tensors.array_kind(out) != kind:
+                raise TypeError(f"out is a {tensors.array_kind(out)} array but qkv is {kind}; pass the same kind")
+            self._check_array(out, "out", (fwd.total, cfg.num_qo_heads, cfg.head_dim))
+        qkv_dev = tensors.to_device(qkv, kind, self.device)
+        o_dev = self._output_buffer(out, kind, fwd.total)
+        self._run_layer(layer, qkv_dev, o_dev, sm_scale)
+        if out is None:
+            return tensors.from_device(o_dev, kind)
+        if kind == "numpy":
+            out[...] = o_dev.numpy()
+        elif kind == "torch" and o_dev.data_ptr() != out.data_ptr():
+            import torch
+
+            out.copy_(torch.from_dlpack(o_dev))
+        return out
+
+    def end_forward(self) -> None:
+        """Close the open forward; sliding windows slide now."""
+        if self._fwd is None:
+            raise ForwardStateError("end_forward called with no forward open; call begin_forward first")
+        for seq in self._fwd.slides:
+            self._slide(seq)
+        self._fwd = None
+
+    def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices) -> None:
+        """Keep, for each ``seq_ids[i]``, the root-to-leaf path ending at uncommitted node
+        ``leaf_indices[i]`` (``-1`` drops the whole tree); every other uncommitted node is dropped."""
+        self._check_no_forward("commit_accepted_token_tree_nodes")
+        seq_ids = [self._known_id(s) for s in seq_ids]
+        leaves = [_as_int(x, "leaf_indices[i]") for x in leaf_indices]
+        if len(leaves) != len(seq_ids):
+            raise ValueError(f"leaf_indices has {len(leaves)} entries for {len(seq_ids)} seq_ids")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("a seq_id appears twice in commit_accepted_token_tree_nodes")
+        for s, leaf in zip(seq_ids, leaves):
+            count = len(self._seqs[s].tree_parent)
+            if not -1 <= leaf < count:
+                raise ValueError(
+                    f"leaf index {leaf} of sequence {s} is out of range: it has {count} uncommitted nodes "
+                    f"(valid: -1..{count - 1})"
+                )
+        P = self.config.page_size
+        indptr, src, dst, plans = [0], [], [], []
+        for s, leaf in zip(seq_ids, leaves):
+            seq = self._seqs[s]
+            path = []
+            while leaf >= 0:
+                path.append(leaf)
+                leaf = seq.tree_parent[leaf]
+            path.reverse()
+            base = seq.tree_start
+            for k, node in enumerate(path):
+                if node != k:
+                    a, b = base + node, base + k
+                    src.append(seq.pages[a // P] * P + a % P)
+                    dst.append(seq.pages[b // P] * P + b % P)
+            indptr.append(len(src))
+            plans.append((seq, base + len(path)))
+        if src:
+            import tvm
+
+            arrays = [tvm.runtime.tensor(np.asarray(x, np.int32), self.device) for x in (indptr, src, dst)]
+            for layer in range(self.config.num_layers):
+                self._kernels["compact_copy"](self.pages[layer], *arrays)
+        for seq, new_len in plans:
+            seq.tree_parent.clear()
+            seq.tree_depth.clear()
+            self._truncate(seq, new_len)
+
+    # ------------------------------------------------------------------ inspection
+    def debug_get_kv(self, seq_id, start_pos=0, end_pos=None):
+        """K and V of tokens ``[start_pos, end_pos)`` of ``seq_id`` as NumPy ``[num_layers, n, H_kv, D]``.
+
+        Positions are logical (uncommitted tree nodes follow the committed tokens in append order);
+        K is as stored (rotated when rope_mode is "normal"). Tokens a sliding window dropped are an error.
+        """
+        seq = self._get(seq_id)
+        end_pos = seq.length if end_pos is None else _as_int(end_pos, "end_pos")
+        start_pos = _as_int(start_pos, "start_pos")
+        if not 0 <= start_pos <= end_pos <= seq.length:
+            raise ValueError(
+                f"range [{start_pos}, {end_pos}) is not inside sequence {seq_id} of length {seq.length}"
+            )
+        P = self.config.page_size
+        pos = np.arange(start_pos, end_pos)
+        slot = np.where(pos < seq.sink_end, pos, pos - seq.pos_offset)
+        bad = (slot >= seq.sink_end) & (slot < seq.window_start) | (slot < 0)
+        if bad.any():
+            raise ValueError(
+                f"positions [{start_pos}, {end_pos}) of sequence {seq_id} include tokens its sliding window "
+                f"dropped; kept: [0, {min(seq.sink_end, seq.length)}) and "
+                f"[{seq.position(seq.window_start)}, {seq.length})"
+            )
+        import tvm
+
+        pages = np.asarray(seq.pages, np.int64)
+        flat = (pages[slot // P] * P + slot % P).astype(np.int32) if len(slot) else np.zeros(0, np.int32)
+        cfg = self.config
+        k = np.zeros((cfg.num_layers, len(slot), cfg.num_kv_heads, cfg.head_dim), tensors.numpy_dtype(cfg.dtype))
+        v = np.zeros_like(k)
+        if len(slot):
+            slots_dev = tvm.runtime.tensor(flat, self.device)
+            shape = (len(slot), cfg.num_kv_heads, cfg.head_dim)
+            for layer in range(cfg.num_layers):
+                kd = tvm.runtime.empty(shape, cfg.dtype, self.device)
+                vd = tvm.runtime.empty(shape, cfg.dtype, self.device)
+                self._kernels["gather"](self.pages[layer], slots_dev, kd, vd)
+                k[layer], v[layer] = kd.numpy(), vd.numpy()
+        return k, v
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless: free + used == total, each page's ref count equals the number of
+        page lists holding it, no page twice in one sequence, and every sequence's lengths agree."""
+        cfg = self.config
+        counts = np.zeros(cfg.total_pages, np.int64)
+        problems = []
+        for sid, seq in self._seqs.items():
+            if len(set(seq.pages)) != len(seq.pages):
+                problems.append(f"sequence {sid} holds a page twice")
+            counts[seq.pages] += 1
+            if len(seq.pages) != -(-seq.kv_len // cfg.page_size):
+                problems.append(f"sequence {sid}: {len(seq.pages)} pages for {seq.kv_len} slots")
+            if not (seq.tree_start >= 0 and len(seq.tree_depth) == len(seq.tree_parent)):
+                problems.append(f"sequence {sid}: inconsistent token tree")
+            if seq.window and not (seq.sink_end <= seq.window_start <= max(seq.kv_len, seq.sink_end)):
+                problems.append(f"sequence {sid}: window bounds {seq.sink_end}, {seq.window_start}, {seq.kv_len}")
+        if not np.array_equal(counts, self._ref):
+            bad = np.nonzero(counts != self._ref)[0][:5].tolist()
+            problems.append(f"ref counts disagree with page tables at pages {bad}")
+        free = set(self._free)
+        if len(free) != len(self._free):
+            problems.append("a page is on the free list twice")
+        if any(self._ref[p] for p in free):
+            problems.append("a page on the free list is referenced")
+        used = int((self._ref > 0).sum())
+        if used + len(self._free) != cfg.total_pages:
+            problems.append(f"free {len(self._free)} + used {used} != total {cfg.total_pages}")
+        if problems:
+            raise IntegrityError("; ".join(problems))
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, seq_id) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"sequence {seq_id!r} is not in the cache; add it with add_sequence first") from None
+
+    def _known_id(self, seq_id):
+        self._get(seq_id)
+        return seq_id
+
+    def _check_new_id(self, seq_id, name: str):
+        seq_id = _as_int(seq_id, name)
+        if seq_id in self._seqs:
+            raise KeyError(f"{name} {seq_id} is already in the cache; remove it first or pick another id")
+        return seq_id
+
+    def _check_no_forward(self, what: str) -> None:
+        if self._fwd is not None:
+            raise ForwardStateError(f"{what} is not allowed while a forward is open; call end_forward first")
+
+    def _alloc(self, count: int) -> list:
+        assert count <= len(self._free), "caller checks free pages first"
+        pages = [self._free.pop() for _ in range(count)]
+        self._ref[pages] = 1
+        return pages
+
+    def _release(self, pages) -> None:
+        for p in pages:
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._free.append(p)
+
+    def _truncate(self, seq: _Sequence, kv_len: int) -> None:
+        keep = -(-kv_len // self.config.page_size)
+        self._release(seq.pages[keep:])
+        del seq.pages[keep:]
+        seq.kv_len = kv_len
+        if seq.window_start > max(kv_len, seq.sink_end):
+            seq.window_start = max(kv_len, seq.sink_end)
+
+    def _slide(self, seq: _Sequence) -> None:
+        """Drop tokens beyond the window (keep sink + last window - sink) and free whole stale pages."""
+        if not seq.window:
+            return
+        P = self.config.page_size
+        kept = min(seq.kv_len, seq.sink_end) + max(0, seq.kv_len - seq.window_start)
+        excess = kept - seq.window
+        if excess <= 0:
+            return
+        seq.window_start += excess
+        first, last = -(-seq.sink_end // P), seq.window_start // P
+        if last > first:
+            self._release(seq.pages[first:last])
+            del seq.pages[first:last]
+            drop = (last - first) * P
+            seq.window_start -= drop
+            seq.kv_len -= drop
+            seq.pos_offset += drop
+
+    def _copy_page(self, src: int, dst: int, num_slots: int) -> None:
+        for layer in range(self.config.num_layers):
+            self._kernels["copy_page"](self.pages[layer], src, dst, num_slots)
+
+    def _check_tree(self, seq_ids, seqs, lengths, parent_ptr):
+        """Validate parent pointers; return per sequence (new parents, new depths)."""
+        parent_ptr = [_as_int(p, "token_tree_parent_ptr[i]") for p in parent_ptr]
+        if len(parent_ptr) != sum(lengths):
+            raise ValueError(
+                f"token_tree_parent_ptr has {len(parent_ptr)} entries but the forward appends {sum(lengths)} tokens"
+            )
+        out, at = [], 0
+        for s, seq, n in zip(seq_ids, seqs, lengths):
+            if seq.window:
+                raise ValueError(f"sequence {s} has a sliding window; token trees are not supported with windows")
+            old = len(seq.tree_parent)
+            parents, depths = [], []
+            for i in range(n):
+                p = parent_ptr[at + i]
+                if not -1 <= p < old + i:
+                    raise ValueError(
+                        f"token_tree_parent_ptr entry {at + i} (= {p}, token {i} of sequence {s}) must be -1 or "
+                        f"an earlier uncommitted node index in [0, {old + i})"
+                    )
+                parents.append(p)
+                depths.append(0 if p < 0 else (seq.tree_depth[p] if p < old else depths[p - old]) + 1)
+            out.append((parents, depths))
+            at += n
+        return out
+
+    def _plan_arrays(self, seqs, lengths, history, parents) -> dict:
+        """Host index arrays of one forward (docs/layout.md); called after pages were reserved."""
+        P = self.config.page_size
+        B, total = len(seqs), sum(lengths)
+        q_indptr = np.zeros(B + 1, np.int32)
+        q_indptr[1:] = np.cumsum(lengths)
+        page_indptr = np.zeros(B + 1, np.int32)
+        page_indptr[1:] = np.cumsum([len(s.pages) for s in seqs])
+        page_indices = np.asarray([p for s in seqs for p in s.pages] or [0], np.int32)
+        last_page_len = np.zeros(B, np.int32)
+        kv_window = np.zeros((B, 3), np.int32)
+        q_pos = np.zeros(total, np.int32)
+        slots = np.zeros(total, np.int32)
+        tree = parents is not None
+        q_tree = np.zeros((max(total, 1), 2), np.int32)
+        kv_tree_indptr = np.zeros(B + 1, np.int32)
+        kv_tree_rows, kv_tree_start = [], np.zeros(B, np.int32)
+        for b, (seq, n, h) in enumerate(zip(seqs, lengths, history)):
+            end = h + n
+            last_page_len[b] = end - (len(seq.pages) - 1) * P if seq.pages else 0
+            if seq.window:
+                kv_window[b] = (seq.sink_end, seq.window_start, seq.pos_offset)
+            new = np.arange(h, end)
+            pages = np.asarray(seq.pages, np.int64)
+            slots[q_indptr[b]:q_indptr[b + 1]] = pages[new // P] * P + new % P
+            if not tree:
+                q_pos[q_indptr[b]:q_indptr[b + 1]] = np.where(new < seq.sink_end, new, new + seq.pos_offset)
+                continue
+            all_parents = seq.tree_parent + parents[b][0]
+            all_depths = np.asarray(seq.tree_depth + parents[b][1], np.int32)
+            enter, exit_ = _dfs_intervals(all_parents)
+            old = len(seq.tree_parent)
+            committed = seq.committed_length
+            q_tree[q_indptr[b]:q_indptr[b + 1]] = np.stack([enter[old:], exit_[old:]], axis=1)
+            q_pos[q_indptr[b]:q_indptr[b + 1]] = committed + all_depths[old:]
+            kv_tree_rows.append(np.stack([enter, exit_, committed + all_depths], axis=1))
+            kv_tree_indptr[b + 1] = kv_tree_indptr[b] + len(all_parents)
+            kv_tree_start[b] = h - old
+        kv_tree = np.concatenate(kv_tree_rows).astype(np.int32) if tree else np.zeros((1, 3), np.int32)
+        return dict(q_indptr=q_indptr, q_pos=q_pos, slots=slots, page_indptr=page_indptr,
+                    page_indices=page_indices, last_page_len=last_page_len, kv_window=kv_window,
+                    q_tree=q_tree, kv_tree_indptr=kv_tree_indptr, kv_tree=kv_tree, kv_tree_start=kv_tree_start)
+
+    def _upload(self, host: dict) -> dict:
+        import tvm
+
+        return {name: tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for name, a in host.items()}
+
+    def _scratch(self, total: int) -> dict:
+        import tvm
+
+        cfg = self.config
+        empty = tvm.runtime.empty
+        return dict(
+            q=empty((total, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, self.device),
+            k=empty((total, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, self.device),
+            v=empty((total, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, self.device),
+            lse=empty((total, cfg.num_qo_heads), "float32", self.device),
+        )
+
+    def _check_array(self, x, name: str, shape: tuple) -> str:
+        kind = tensors.array_kind(x)
+        got_shape, got_dtype, got_dev = tensors.describe(x, kind)
+        if got_shape != shape:
+            raise ValueError(f"{name} has shape {got_shape}; expected {shape} for this forward")
+        if got_dtype != self.config.dtype:
+            raise ValueError(f"{name} has dtype {got_dtype}; the cache holds {self.config.dtype}: cast it first")
+        want_dev = "cpu" if self.config.target_kind == "llvm" else "cuda"
+        if kind != "numpy" and got_dev != want_dev:
+            raise ValueError(f"{name} is on {got_dev} but the cache's kernels run on {want_dev}; move it there")
+        if not tensors.is_contiguous(x, kind):
+            raise ValueError(f"{name} is not contiguous; pass a contiguous array (e.g. .contiguous())")
+        return kind
+
+    def _output_buffer(self, out, kind: str, total: int):
+        import tvm
+
+        cfg = self.config
+        if out is not None and kind == "tvm":
+            return out
+        if out is not None and kind == "torch":
+            try:
+                return tvm.runtime.from_dlpack(out)
+            except RuntimeError:
+                pass  # unaligned: compute into a fresh buffer, copy back
+        return tvm.runtime.empty((total, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, self.device)
+
+    def _run_layer(self, layer: int, qkv, o, sm_scale: float) -> None:
+        cfg, fwd, kern = self.config, self._fwd, self._kernels
+        d, s = fwd.dev, fwd.scratch
+        pages = self.pages[layer]
+        kern["split_rope"](qkv, d["q_pos"], s["q"], s["k"], s["v"], cfg.rope_scale, cfg.rope_theta)
+        kern["append"](pages, s["k"], s["v"], d["slots"])
+        rope = (cfg.rope_scale, cfg.rope_theta)
+        if fwd.kernel == "paged_decode":
+            kern["paged_decode"](s["q"], d["q_pos"], pages, d["page_indptr"], d["page_indices"],
+                                 d["last_page_len"], d["kv_window"], o, s["lse"], sm_scale, *rope)
+        elif fwd.kernel == "ragged_prefill_causal":
+            kern["ragged_prefill_causal"](s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"], o,
+                                          s["lse"], sm_scale, *rope)
+        else:
+            kern[fwd.kernel](s["q"], d["q_indptr"], d["q_pos"], pages, d["page_indptr"], d["page_indices"],
+                             d["last_page_len"], d["kv_window"], d["q_tree"], d["kv_tree_indptr"], d["kv_tree"],
+                             d["kv_tree_start"], o, s["lse"], sm_scale, *rope)
+
+
+def _parse_target(target):
+    """("llvm", None) or ("cuda", arch or None) from a string or a tvm.target.Target."""
+    if isinstance(target, str):
+        if target in ("llvm", "cpu"):
+            return "llvm", None
+        if target == "cuda":
+            return "cuda", None
+        raise ValueError(f"target={target!r} is not supported; use 'llvm', 'cuda' or a tvm.target.Target")
+    kind = getattr(getattr(target, "kind", None), "name", None)
+    if kind == "llvm":
+        return "llvm", None
+    if kind == "cuda":
+        arch = target.attrs.get("arch") if hasattr(target, "attrs") else None
+        return "cuda", str(arch) if arch else None
+    raise ValueError(f"target={target!r} is not supported; use 'llvm', 'cuda' or a tvm.target.Target")

@@ -1,0 +1,81 @@
+"""Conversions between the array kinds the cache accepts (NumPy, torch, tvm) and device tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
+
+
+def numpy_dtype(dtype: str):
+    """NumPy dtype for a tvmkv dtype name (bfloat16 through ml_dtypes)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return _NP_DTYPES[dtype]
+
+
+def array_kind(x) -> str:
+    """"numpy", "torch" or "tvm" for an accepted array; TypeError for anything else."""
+    import tvm
+
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if isinstance(x, tvm.runtime.Tensor):
+        return "tvm"
+    if type(x).__module__.startswith("torch") and hasattr(x, "__dlpack__"):
+        return "torch"
+    raise TypeError(
+        f"expected a numpy.ndarray, torch.Tensor or tvm.runtime.Tensor, got {type(x).__name__}; "
+        "convert the array to one of those kinds"
+    )
+
+
+def describe(x, kind: str):
+    """(shape, dtype name, device type "cpu"/"cuda") of an accepted array."""
+    if kind == "numpy":
+        return tuple(x.shape), str(x.dtype), "cpu"
+    if kind == "torch":
+        return tuple(x.shape), str(x.dtype).removeprefix("torch."), x.device.type
+    dev = "cpu" if x.device.dlpack_device_type() == 1 else "cuda"
+    return tuple(x.shape), str(x.dtype), dev
+
+
+def is_contiguous(x, kind: str) -> bool:
+    if kind == "numpy":
+        return bool(x.flags.c_contiguous)
+    if kind == "torch":
+        return bool(x.is_contiguous())
+    return bool(x.is_contiguous())
+
+
+def to_device(x, kind: str, device):
+    """A ``tvm.runtime.Tensor`` on ``device`` holding ``x`` (zero-copy for torch/tvm when possible).
+
+    TVM's DLPack import rejects data not aligned to 64 bytes; such torch tensors are cloned first
+    (a torch allocation is aligned).
+    """
+    import tvm
+
+    if kind == "tvm":
+        return x
+    if kind == "numpy":
+        return tvm.runtime.tensor(np.ascontiguousarray(x), device)
+    try:
+        return tvm.runtime.from_dlpack(x)
+    except RuntimeError as err:
+        if "aligned" not in str(err):
+            raise
+        return tvm.runtime.from_dlpack(x.clone())
+
+
+def from_device(t, kind: str):
+    """Give a result tensor back as the caller's kind."""
+    if kind == "tvm":
+        return t
+    if kind == "numpy":
+        return t.numpy()
+    import torch
+
+    return torch.from_dlpack(t)

@@ -1,0 +1,78 @@
+"""Append new tokens' K and V into the page pool. See docs/layout.md ("Pages") for the layout.
+
+Also home of :func:`heads_per_block`, the CUDA block shape shared by the data-movement kernels
+(``append``, ``split_rope``, ``merge_state`` and the page ops): ``threadIdx.x`` runs over the head
+dimension (or half of it), ``threadIdx.y`` over a few heads, ``blockIdx`` over tokens and head chunks.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .spec import KernelSpec
+
+MAX_THREADS = 256  # threads per CUDA block of the data-movement kernels
+
+
+def heads_per_block(num_heads: int, threads_x: int) -> int:
+    """Heads one CUDA block handles (``threadIdx.y`` extent) when ``threads_x`` threads cover one head."""
+    return max(1, min(num_heads, MAX_THREADS // threads_x))
+
+
+def make_append(spec: KernelSpec):
+    """``append(pages, k, v, slot)``: write token ``i``'s K and V at ``slot[i]``; ``slot[i] < 0`` skips it.
+
+    Parameters
+    ----------
+    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+        The layer's page pool, **written in place**: ``pages[s // P, 0, h, s % P] = k[i, h]`` and
+        ``pages[s // P, 1, h, s % P] = v[i, h]`` for ``s = slot[i] >= 0``.
+    k, v : [n, H_kv, D], spec.dtype
+        The new tokens' keys and values (already rotated when RoPE mode is "normal").
+    slot : [n], int32
+        ``page_id * P + offset`` of each token, or negative to skip it.
+    """
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    HY = heads_per_block(H, D)
+    HB = (H + HY - 1) // HY  # head chunks (blockIdx.y)
+
+    if spec.is_cpu:
+
+        @T.prim_func
+        def append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_slot: T.handle):
+            T.func_attr({"tir.noalias": True})
+            num_pages = T.int32()
+            n = T.int32()
+            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+            k = T.match_buffer(var_k, (n, H, D), dtype)
+            v = T.match_buffer(var_v, (n, H, D), dtype)
+            slot = T.match_buffer(var_slot, (n,), "int32")
+            for i in T.parallel(n):
+                if slot[i] >= 0:
+                    for h in T.serial(H):
+                        for d in T.vectorized(D):
+                            pages[slot[i] // P, 0, h, slot[i] % P, d] = k[i, h, d]
+                            pages[slot[i] // P, 1, h, slot[i] % P, d] = v[i, h, d]
+
+        return append
+
+    @T.prim_func
+    def append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_slot: T.handle):
+        T.func_attr({"tir.noalias": True})
+        num_pages = T.int32()
+        n = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        k = T.match_buffer(var_k, (n, H, D), dtype)
+        v = T.match_buffer(var_v, (n, H, D), dtype)
+        slot = T.match_buffer(var_slot, (n,), "int32")
+        for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
+            for hb in T.thread_binding(HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        if i < n and hb * HY + hy < H:
+                            if slot[i] >= 0:
+                                h = T.meta_var(hb * HY + hy)
+                                pages[slot[i] // P, 0, h, slot[i] % P, d] = k[i, h, d]
+                                pages[slot[i] // P, 1, h, slot[i] % P, d] = v[i, h, d]
+
+    return append

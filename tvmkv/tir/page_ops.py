@@ -1,0 +1,197 @@
+"""Slot-level copies inside the page pool: fork a page, compact committed tree tokens, gather K/V.
+
+Pages and slots are defined in docs/layout.md ("Pages"): ``slot = page_id * P + offset``. Every op
+copies K and V of all ``H_kv`` heads. CUDA mapping: ``threadIdx.x`` over the head dim, ``threadIdx.y``
+over a few heads (:func:`tvmkv.tir.append.heads_per_block`), ``blockIdx`` over slots / segments.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .append import heads_per_block
+from .spec import KernelSpec
+
+
+def make_copy_page(spec: KernelSpec):
+    """``copy_page(pages, src_page, dst_page, num_slots)``: copy slots ``[0, num_slots)`` of a page.
+
+    Parameters
+    ----------
+    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+        Page pool, **written in place**:
+        ``pages[dst_page, :, :, :num_slots] = pages[src_page, :, :, :num_slots]``.
+    src_page, dst_page : int32
+        Page ids (``src_page != dst_page``; the caller checks the range).
+    num_slots : int32
+        Slots to copy, ``0 <= num_slots <= P`` (larger values are clipped to ``P``).
+    """
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    HY = heads_per_block(H, D)
+    HB = (H + HY - 1) // HY
+
+    if spec.is_cpu:
+
+        @T.prim_func
+        def copy_page(var_pages: T.handle, src_page: T.int32, dst_page: T.int32, num_slots: T.int32):
+            T.func_attr({"tir.noalias": True})
+            num_pages = T.int32()
+            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+            for kh in T.parallel(2 * H):
+                for j in T.serial(P):
+                    if j < num_slots:
+                        for d in T.vectorized(D):
+                            pages[dst_page, kh // H, kh % H, j, d] = pages[src_page, kh // H, kh % H, j, d]
+
+        return copy_page
+
+    @T.prim_func
+    def copy_page(var_pages: T.handle, src_page: T.int32, dst_page: T.int32, num_slots: T.int32):
+        T.func_attr({"tir.noalias": True})
+        num_pages = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        for j in T.thread_binding(P, thread="blockIdx.x"):
+            for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        h = T.meta_var(hb % HB * HY + hy)
+                        if j < num_slots and h < H:
+                            pages[dst_page, hb // HB, h, j, d] = pages[src_page, hb // HB, h, j, d]
+
+    return copy_page
+
+
+def make_compact_copy(spec: KernelSpec):
+    """``compact_copy(pages, copy_indptr, src_slot, dst_slot)``: segment-wise in-order slot copies.
+
+    Segment ``s`` owns entries ``e`` in ``[copy_indptr[s], copy_indptr[s+1])``; they are applied one
+    after another: ``pages[slot dst_slot[e]] = pages[slot src_slot[e]]`` (K and V, all heads).
+    Segments run in parallel, so they must not touch each other's slots. Within a segment the order
+    is kept, which makes in-place compaction (``dst_slot[e] <= src_slot[e]``, both increasing) safe.
+
+    Parameters
+    ----------
+    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+        Page pool, **written in place**.
+    copy_indptr : [S + 1], int32
+        CSR offsets of the segments (non-decreasing; empty segments allowed).
+    src_slot, dst_slot : [m], int32
+        Source and destination slot of each entry.
+    """
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    HY = heads_per_block(H, D)
+    HB = (H + HY - 1) // HY
+
+    if spec.is_cpu:
+
+        @T.prim_func
+        def compact_copy(var_pages: T.handle, var_indptr: T.handle, var_src: T.handle, var_dst: T.handle):
+            T.func_attr({"tir.noalias": True})
+            num_pages = T.int32()
+            S1 = T.int32()
+            m = T.int32()
+            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+            copy_indptr = T.match_buffer(var_indptr, (S1,), "int32")
+            src_slot = T.match_buffer(var_src, (m,), "int32")
+            dst_slot = T.match_buffer(var_dst, (m,), "int32")
+            for s in T.parallel(S1 - 1):
+                for e in T.serial(copy_indptr[s], copy_indptr[s + 1]):  # in order
+                    src = T.meta_var(src_slot[e])
+                    dst = T.meta_var(dst_slot[e])
+                    for kv, h in T.grid(2, H):
+                        for d in T.vectorized(D):
+                            pages[dst // P, kv, h, dst % P, d] = pages[src // P, kv, h, src % P, d]
+
+        return compact_copy
+
+    @T.prim_func
+    def compact_copy(var_pages: T.handle, var_indptr: T.handle, var_src: T.handle, var_dst: T.handle):
+        T.func_attr({"tir.noalias": True})
+        num_pages = T.int32()
+        S1 = T.int32()
+        m = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        copy_indptr = T.match_buffer(var_indptr, (S1,), "int32")
+        src_slot = T.match_buffer(var_src, (m,), "int32")
+        dst_slot = T.match_buffer(var_dst, (m,), "int32")
+        # One block per segment and head chunk. Each thread owns one (K/V, head, d) element and walks
+        # the entries in order; entries only depend on each other through the same element, so
+        # program order inside the thread is all the ordering needed (no barrier).
+        for s in T.thread_binding(T.max(S1 - 1, 1), thread="blockIdx.x"):  # max: no empty grid
+            for hb in T.thread_binding(HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        h = T.meta_var(hb * HY + hy)
+                        if s < S1 - 1 and h < H:
+                            for e in T.serial(copy_indptr[s], copy_indptr[s + 1]):
+                                src = T.meta_var(src_slot[e])
+                                dst = T.meta_var(dst_slot[e])
+                                for kv in T.unroll(2):
+                                    pages[dst // P, kv, h, dst % P, d] = pages[src // P, kv, h, src % P, d]
+
+    return compact_copy
+
+
+def make_gather(spec: KernelSpec):
+    """``gather(pages, slots, k_out, v_out)``: copy the K/V at the given slots into contiguous arrays.
+
+    Parameters
+    ----------
+    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+        Page pool (read only).
+    slots : [m], int32
+        Slots to read; a negative slot yields zeros.
+    k_out, v_out : [m, H_kv, D], spec.dtype
+        **Written**: ``k_out[e] = pages[slots[e] // P, 0, :, slots[e] % P]``, ``v_out`` likewise with index 1.
+    """
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    HY = heads_per_block(H, D)
+    HB = (H + HY - 1) // HY
+
+    if spec.is_cpu:
+
+        @T.prim_func
+        def gather(var_pages: T.handle, var_slots: T.handle, var_k: T.handle, var_v: T.handle):
+            T.func_attr({"tir.noalias": True})
+            num_pages = T.int32()
+            m = T.int32()
+            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+            slots = T.match_buffer(var_slots, (m,), "int32")
+            k_out = T.match_buffer(var_k, (m, H, D), dtype)
+            v_out = T.match_buffer(var_v, (m, H, D), dtype)
+            for e in T.parallel(m):
+                for h in T.serial(H):
+                    if slots[e] >= 0:
+                        for d in T.vectorized(D):
+                            k_out[e, h, d] = pages[slots[e] // P, 0, h, slots[e] % P, d]
+                            v_out[e, h, d] = pages[slots[e] // P, 1, h, slots[e] % P, d]
+                    else:
+                        for d in T.serial(D):  # serial: a vectorized bf16 constant store fails to legalize
+                            k_out[e, h, d] = T.cast(0, dtype)
+                            v_out[e, h, d] = T.cast(0, dtype)
+
+        return gather
+
+    @T.prim_func
+    def gather(var_pages: T.handle, var_slots: T.handle, var_k: T.handle, var_v: T.handle):
+        T.func_attr({"tir.noalias": True})
+        num_pages = T.int32()
+        m = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        slots = T.match_buffer(var_slots, (m,), "int32")
+        k_out = T.match_buffer(var_k, (m, H, D), dtype)
+        v_out = T.match_buffer(var_v, (m, H, D), dtype)
+        for e in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
+            for hb in T.thread_binding(HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        h = T.meta_var(hb * HY + hy)
+                        if e < m and h < H:
+                            if slots[e] >= 0:
+                                k_out[e, h, d] = pages[slots[e] // P, 0, h, slots[e] % P, d]
+                                v_out[e, h, d] = pages[slots[e] // P, 1, h, slots[e] % P, d]
+                            else:
+                                k_out[e, h, d] = T.cast(0, dtype)
+                                v_out[e, h, d] = T.cast(0, dtype)
+
+    return gather

@@ -1,0 +1,51 @@
+"""Paged prefill attention: new tokens attend to their sequence's pages. See docs/layout.md."""
+
+from __future__ import annotations
+
+from ._attn_common import build_attention
+from .spec import KernelSpec
+
+PREFILL_MASKS = ("none", "causal", "tree")
+
+
+def make_paged_prefill(
+    spec: KernelSpec, *, mask: str = "causal", sliding: bool = False, inline_rope: bool = False
+):
+    """Attention of ragged queries over paged K/V (history + this forward's tokens, already appended).
+
+    Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
+    ----------
+    q : [n, H_qo, D] dtype
+    q_indptr : [B + 1] int32
+    q_pos : [n] int32
+        Logical position of each query row (causal mask, inline RoPE).
+    pages : [num_pages, 2, H_kv, P, D] dtype
+    page_indptr : [B + 1] int32
+    page_indices : [nnz] int32
+    last_page_len : [B] int32
+    kv_window : [B, 3] int32
+        (sink_end, window_start, window_pos_offset); read only when ``sliding``.
+    q_tree : [nt, 2] int32
+    kv_tree_indptr : [bt] int32
+    kv_tree : [m, 3] int32
+    kv_tree_start : [bs] int32
+        Token-tree arrays, read only when ``mask == "tree"`` (then nt == n, bt == B + 1, bs == B);
+        other variants accept 1-element dummies.
+    o : [n, H_qo, D] dtype, written
+    lse : [n, H_qo] float32, written
+        Base-2 log-sum-exp of the scaled scores; -inf (and o = 0) for a row that sees no key.
+    sm_scale, rope_scale, rope_theta : float32
+
+    Keyword options
+    ---------------
+    mask : "none" | "causal" | "tree"
+        "none": every valid slot; "causal": valid slots with pos(j) <= q_pos[i]; "tree": committed
+        slots plus the ancestors-or-self of the row's node.
+    sliding : bool
+        Honour the sliding window / attention sink of ``kv_window``.
+    inline_rope : bool
+        Rotate q and K on the fly (K stored raw).
+    """
+    if mask not in PREFILL_MASKS:
+        raise ValueError(f"mask={mask!r} is not one of {PREFILL_MASKS}")
+    return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope)

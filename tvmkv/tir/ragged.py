@@ -1,0 +1,37 @@
+"""Ragged prefill attention: new tokens attend to each other only. See docs/layout.md."""
+
+from __future__ import annotations
+
+from ._attn_common import build_attention
+from .spec import KernelSpec
+
+RAGGED_MASKS = ("causal", "tree")
+
+
+def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: bool = False):
+    """Attention of the new tokens over the new tokens of the same sequence (k/v not paged).
+
+    Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
+    ----------
+    q : [n, H_qo, D] dtype
+    k, v : [n, H_kv, D] dtype
+    q_indptr : [B + 1] int32
+    q_pos : [n] int32
+        Logical position of each token (inline RoPE: rotates q and k rows).
+    q_tree : [nt, 2] int32
+        DFS interval of each row's node; read only when ``mask == "tree"`` (then nt == n).
+    o : [n, H_qo, D] dtype, written
+    lse : [n, H_qo] float32, written (base 2)
+    sm_scale, rope_scale, rope_theta : float32
+
+    Keyword options
+    ---------------
+    mask : "causal" | "tree"
+        "causal": row j of the sequence is visible to row i iff j <= i; "tree": iff j's interval
+        contains i's.
+    inline_rope : bool
+        Rotate q and k on the fly by ``q_pos``.
+    """
+    if mask not in RAGGED_MASKS:
+        raise ValueError(f"mask={mask!r} is not one of {RAGGED_MASKS}")
+    return build_attention(spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope)
