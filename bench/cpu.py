@@ -327,7 +327,7 @@ def render(rows, args) -> str:
         f"(≥5 repetitions, {args.budget:g} s budget each). `bench/cpu.py --write` regenerates this section.",
         "",
         f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (above the thread count "
-        "means other processes shared the cores and every absolute number is inflated; ratios are less affected).",
+        "means other processes shared the cores: absolute numbers are inflated, ratios less so).",
         "",
         "Ratios are baseline time / tvmkv time (> 1 means tvmkv is faster). "
         "Targets: ≥ 5x over TVM's CPU kernels, ≥ 1x torch on decode. max|err| is tvmkv's output vs torch.",

@@ -9,7 +9,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"build": "tvmkv.build", "replay": "tvmkv.replay", "generate": "tvmkv.generate"}
     if not argv or argv[0] not in commands:
-        print("usage: python -m tvmkv {build,replay,generate} [options]   (--help after a command for its options)")
+        print("usage: python -m tvmkv {build,replay,generate} [options]  (COMMAND --help: its options)")
         return 2
     import importlib
 

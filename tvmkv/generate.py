@@ -115,9 +115,14 @@ class BuiltinOps:
         self.cache = cache
         self._f = {
             name: tvm.get_global_func("vm.builtin." + name)
-            for name in ("kv_state_add_sequence", "kv_state_remove_sequence", "kv_state_fork_sequence",
-                         "kv_state_begin_forward", "kv_state_end_forward",
-                         "attention_kv_cache_get_num_available_pages")
+            for name in (
+                "kv_state_add_sequence",
+                "kv_state_remove_sequence",
+                "kv_state_fork_sequence",
+                "kv_state_begin_forward",
+                "kv_state_end_forward",
+                "attention_kv_cache_get_num_available_pages",
+            )
         }
 
     def add_sequence(self, seq_id):
@@ -141,8 +146,20 @@ class BuiltinOps:
         return int(self._f["attention_kv_cache_get_num_available_pages"](self.cache))
 
 
-def generate(model, ops, requests, *, prefill_chunk_size, max_batch_size, total_pages, reference=None,
-             tolerance=1e-4, fork=None, check_integrity=None, log=print) -> Report:
+def generate(
+    model,
+    ops,
+    requests,
+    *,
+    prefill_chunk_size,
+    max_batch_size,
+    total_pages,
+    reference=None,
+    tolerance=1e-4,
+    fork=None,
+    check_integrity=None,
+    log=print,
+) -> Report:
     """Run the requests to completion with continuous batching; check logits when ``reference`` is given.
 
     Parameters
@@ -169,7 +186,10 @@ def generate(model, ops, requests, *, prefill_chunk_size, max_batch_size, total_
     seqs = {r.seq_id: _Seq(r.seq_id, list(r.prompt), len(r.prompt), r.max_new_tokens) for r in requests}
     order = [r.seq_id for r in requests]
     steps, failures, worst = [], [], None
-    log(f"{'step':>4}  {'batch (seq[start:end])':<44} {'tok':>4} {'ms':>7} {'pages used/free':>15}  max|dlogit|")
+    log(
+        f"{'step':>4}  {'batch (seq[start:end])':<44} {'tok':>4} {'ms':>7} {'pages used/free':>15}  "
+        "max|dlogit|"
+    )
     step = 0
     while any(not s.done for s in seqs.values()):
         # ---- schedule: every running decode, then prompt chunks up to the token budget
@@ -192,7 +212,7 @@ def generate(model, ops, requests, *, prefill_chunk_size, max_batch_size, total_
                 ops.add_sequence(sid)
                 seqs[sid].added = True
         ids = [sid for sid, _, _ in parts]
-        tokens = [t for sid, start, n in parts for t in seqs[sid].tokens[start:start + n]]
+        tokens = [t for sid, start, n in parts for t in seqs[sid].tokens[start : start + n]]
         # ---- forward
         t0 = time.perf_counter()
         ops.begin_forward(ids, [n for _, _, n in parts])
@@ -205,8 +225,8 @@ def generate(model, ops, requests, *, prefill_chunk_size, max_batch_size, total_
             s = seqs[sid]
             s.in_cache = start + n
             if reference is not None:
-                want = reference.logits(s.tokens[:start + n])[start:]
-                err = float(np.abs(logits[row:row + n] - want).max())
+                want = reference.logits(s.tokens[: start + n])[start:]
+                err = float(np.abs(logits[row : row + n] - want).max())
                 step_err = err if step_err is None else max(step_err, err)
                 if not err <= tolerance:
                     failures.append((step, sid, err))
@@ -215,7 +235,7 @@ def generate(model, ops, requests, *, prefill_chunk_size, max_batch_size, total_
             worst = step_err if worst is None else max(worst, step_err)
         # ---- sample (greedy), fork, retire
         events, row = [], 0
-        for sid, start, n in parts:
+        for sid, _, n in parts:
             s, last = seqs[sid], logits[row + n - 1]
             row += n
             if s.prefilling:
@@ -226,8 +246,15 @@ def generate(model, ops, requests, *, prefill_chunk_size, max_batch_size, total_
             if fork is not None and sid == fork[0] and s.generated == 1:
                 child = fork[1]
                 ops.fork_sequence(sid, child, -1)
-                seqs[child] = _Seq(child, s.tokens[:-1] + [int(ranked[1])], s.prompt_len, fork[2],
-                                   in_cache=s.in_cache, generated=1, added=True)
+                seqs[child] = _Seq(
+                    child,
+                    s.tokens[:-1] + [int(ranked[1])],
+                    s.prompt_len,
+                    fork[2],
+                    in_cache=s.in_cache,
+                    generated=1,
+                    added=True,
+                )
                 order.append(child)
                 events.append(f"fork {sid}->{child} at {s.in_cache}")
             if s.generated >= s.max_new_tokens:
@@ -241,10 +268,12 @@ def generate(model, ops, requests, *, prefill_chunk_size, max_batch_size, total_
         steps.append(rec)
         batch = " ".join(f"{sid}[{start}:{start + n}]" for sid, start, n in parts)
         err_txt = "-" if step_err is None else f"{step_err:.1e}" + ("" if step_err <= tolerance else " FAIL")
-        log(f"{step:>4}  {batch:<44} {len(tokens):>4} {seconds * 1e3:>7.1f} {rec.pages_used:>7}/{free:<7}  "
-            f"{err_txt}  {'; '.join(events)}")
+        log(
+            f"{step:>4}  {batch:<44} {len(tokens):>4} {seconds * 1e3:>7.1f} {rec.pages_used:>7}/{free:<7}  "
+            f"{err_txt}  {'; '.join(events)}"
+        )
         step += 1
-    outputs = {sid: s.tokens[s.prompt_len:] for sid, s in seqs.items()}
+    outputs = {sid: s.tokens[s.prompt_len :] for sid, s in seqs.items()}
     return Report(steps, outputs, worst, tolerance, failures)
 
 
@@ -260,8 +289,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
     p.add_argument("--cuda-arch", default=None, help="sm_XX for --target cuda (default: the device's)")
     p.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
-    p.add_argument("--interface", choices=("tvmkv", "tvm"), default="tvmkv",
-                   help="tvmkv's own nn.Object cache, or TVM's PagedKVCache run on tvmkv (drop-in)")
+    p.add_argument(
+        "--interface",
+        choices=("tvmkv", "tvm"),
+        default="tvmkv",
+        help="tvmkv's own nn.Object cache, or TVM's PagedKVCache run on tvmkv (drop-in)",
+    )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--head-dim", type=int, choices=(64, 128), default=64)
     p.add_argument("--page-size", type=int, default=16)
@@ -293,10 +326,16 @@ def main(argv=None) -> int:
     requests = default_requests(cfg.vocab_size, args.seed)
     fork = (0, 3, 8)
     max_total = 4 * sum(len(r.prompt) + r.max_new_tokens for r in requests)
-    sizes = dict(max_batch_size=args.max_batch_size, max_total_seq_len=max_total,
-                 prefill_chunk_size=args.prefill_chunk_size, page_size=args.page_size)
-    print(f"[tvmkv generate] {cfg}\n  target={args.target}{' ' + arch if arch else ''} interface={args.interface} "
-          f"{sizes}")
+    sizes = dict(
+        max_batch_size=args.max_batch_size,
+        max_total_seq_len=max_total,
+        prefill_chunk_size=args.prefill_chunk_size,
+        page_size=args.page_size,
+    )
+    print(
+        f"[tvmkv generate] {cfg}\n  target={args.target}{' ' + arch if arch else ''} "
+        f"interface={args.interface} {sizes}"
+    )
     t0 = time.perf_counter()
     ex, names = compile_llama(cfg, interface=args.interface, target=args.target, cuda_arch=arch)
     print(f"  model compiled in {time.perf_counter() - t0:.1f}s")
@@ -308,32 +347,56 @@ def main(argv=None) -> int:
             cache = model.create_paged_kv_cache(**sizes)
             ops = BuiltinOps(cache)
         else:
-            target = args.target if args.target == "llvm" else tvm.target.Target({"kind": "cuda", "arch": arch})
+            target = (
+                args.target if args.target == "llvm" else tvm.target.Target({"kind": "cuda", "arch": arch})
+            )
             cache = tvmkv.PagedAttentionKVCache(
-                cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **sizes, dtype=cfg.dtype,
-                rope_mode="normal", rope_scale=cfg.rope_scale, rope_theta=cfg.rope_theta, target=target,
+                cfg.num_layers,
+                cfg.num_qo_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                **sizes,
+                dtype=cfg.dtype,
+                rope_mode="normal",
+                rope_scale=cfg.rope_scale,
+                rope_theta=cfg.rope_theta,
+                target=target,
                 build_dir=args.build_dir,
             )
             ops = DirectOps(cache)
-        print(f"  cache ready in {time.perf_counter() - t0:.1f}s: {type(cache).__module__}.{type(cache).__name__}, "
-              f"{cache.config.total_pages} pages of {cache.config.page_size}")
+        print(
+            f"  cache ready in {time.perf_counter() - t0:.1f}s: "
+            f"{type(cache).__module__}.{type(cache).__name__}, "
+            f"{cache.config.total_pages} pages of {cache.config.page_size}"
+        )
         reference = None
         if not args.no_check:
             from tvmkv.relax.torch_ref import TorchLlama
 
             reference = TorchLlama(cfg, weights)
-        report = generate(model, ops, requests, prefill_chunk_size=args.prefill_chunk_size,
-                          max_batch_size=args.max_batch_size, total_pages=cache.config.total_pages,
-                          reference=reference, tolerance=TOLERANCE[cfg.dtype], fork=fork,
-                          check_integrity=cache.check_integrity)
+        report = generate(
+            model,
+            ops,
+            requests,
+            prefill_chunk_size=args.prefill_chunk_size,
+            max_batch_size=args.max_batch_size,
+            total_pages=cache.config.total_pages,
+            reference=reference,
+            tolerance=TOLERANCE[cfg.dtype],
+            fork=fork,
+            check_integrity=cache.check_integrity,
+        )
     total_tokens = sum(s.tokens for s in report.steps)
     total_s = sum(s.seconds for s in report.steps)
     dec = [s for s in report.steps if all(n == 1 for _, _, n in s.parts)]
     print("generated (greedy):")
     for sid, toks in sorted(report.outputs.items()):
         print(f"  seq {sid}: {toks}")
-    print(f"throughput: {total_tokens / total_s:.0f} tokens/s over {len(report.steps)} forwards "
-          f"({total_tokens} tokens, {total_s:.2f}s)", end="")
+    print(
+        f"throughput: {total_tokens / total_s:.0f} tokens/s over {len(report.steps)} forwards "
+        f"({total_tokens} tokens, {total_s:.2f}s)",
+        end="",
+    )
     if dec:
         print(f"; decode-only steps {sum(s.tokens for s in dec) / sum(s.seconds for s in dec):.0f} tokens/s")
     else:
@@ -342,8 +405,10 @@ def main(argv=None) -> int:
         print("check: skipped (--no-check)")
         return 0
     if report.ok:
-        print(f"check: OK, every step's logits match the PyTorch reference (max |diff| {report.max_err:.2e} "
-              f"<= {report.tolerance})")
+        print(
+            f"check: OK, every step's logits match the PyTorch reference (max |diff| {report.max_err:.2e} "
+            f"<= {report.tolerance})"
+        )
         return 0
     for step, sid, err in report.failures[:10]:
         print(f"check FAILED: step {step} seq {sid}: max |diff| {err:.3e} > {report.tolerance}")

@@ -259,9 +259,20 @@ class TvmBuiltinOverride:
         else:
             raise NotImplementedError(f"device {ref.device}: tvmkv runs on CPU (llvm) and CUDA only")
         return dict(
-            num_layers=num_layers, num_qo_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(qk_dim),
-            page_size=page_size, max_batch_size=max_batch, max_total_seq_len=max_total,
-            prefill_chunk_size=chunk, dtype=str(ref.dtype), rope_mode=_ROPE_MODES[int(rope)],
-            rope_scale=float(scale), rope_theta=float(theta), support_sliding_window=bool(sliding),
-            target=target, num_pages=self.num_pages, build_dir=self.build_dir,
+            num_layers=num_layers,
+            num_qo_heads=int(hq),
+            num_kv_heads=int(hkv),
+            head_dim=int(qk_dim),
+            page_size=page_size,
+            max_batch_size=max_batch,
+            max_total_seq_len=max_total,
+            prefill_chunk_size=chunk,
+            dtype=str(ref.dtype),
+            rope_mode=_ROPE_MODES[int(rope)],
+            rope_scale=float(scale),
+            rope_theta=float(theta),
+            support_sliding_window=bool(sliding),
+            target=target,
+            num_pages=self.num_pages,
+            build_dir=self.build_dir,
         )

@@ -49,7 +49,9 @@ class LlamaConfig:
 
     def __post_init__(self):
         if self.num_qo_heads % self.num_kv_heads:
-            raise ValueError(f"num_qo_heads={self.num_qo_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_qo_heads={self.num_qo_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.dtype not in ("float32", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'float16'")
 
@@ -159,7 +161,9 @@ class TinyLlama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, out_dtype="float32")
+        self.lm_head = nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, out_dtype="float32"
+        )
 
     def forward(self, input_ids: nn.Tensor, paged_kv_cache) -> nn.Tensor:
         x = self.embed_tokens(input_ids)  # [1, n, H]
@@ -167,23 +171,38 @@ class TinyLlama(nn.Module):
             x = layer(x, paged_kv_cache)
         return self.lm_head(self.norm(x))  # [1, n, V] float32
 
-    def create_paged_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
-                              support_sliding_window):
+    def create_paged_kv_cache(
+        self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window
+    ):
         """TVM's interface: a ``TIRPagedKVCache`` (RoPE "normal") sized at run time, as MLC-LLM models do."""
         import tvm
         from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 
         cfg = self.cfg
         return TIRPagedKVCache(
-            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-            support_sliding_window=support_sliding_window, layer_partition=rx.ShapeExpr([0, cfg.num_layers]),
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_qo_heads,
-            num_key_value_heads=cfg.num_kv_heads, qk_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim,
-            mla_original_qk_head_dim=0, mla_original_v_head_dim=0, rope_mode=RopeMode.NORMAL,
-            rope_scale=cfg.rope_scale, rope_theta=cfg.rope_theta, rope_scaling={},
-            rope_ext_factors=rx.prim_value(0), rotary_dim=cfg.head_dim, enable_disaggregation=False,
-            dtype=cfg.dtype, target=tvm.target.Target(self.target_kind),
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=rx.ShapeExpr([0, cfg.num_layers]),
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_qo_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            qk_head_dim=cfg.head_dim,
+            v_head_dim=cfg.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=cfg.rope_scale,
+            rope_theta=cfg.rope_theta,
+            rope_scaling={},
+            rope_ext_factors=rx.prim_value(0),
+            rotary_dim=cfg.head_dim,
+            enable_disaggregation=False,
+            dtype=cfg.dtype,
+            target=tvm.target.Target(self.target_kind),
         )
 
 
@@ -203,7 +222,13 @@ def export_spec(interface: str) -> dict:
         }
     }
     if interface == "tvm":
-        sizes = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size", "support_sliding_window")
+        sizes = (
+            "max_batch_size",
+            "max_total_seq_len",
+            "prefill_chunk_size",
+            "page_size",
+            "support_sliding_window",
+        )
         spec["create_paged_kv_cache"] = {
             **{name: int for name in sizes},
             "$": {"param_mode": "none", "effect_mode": "none"},
@@ -223,7 +248,9 @@ def target_of(target_kind: str, cuda_arch: str | None = None):
     raise ValueError(f"target={target_kind!r} must be 'llvm' or 'cuda'")
 
 
-def compile_llama(cfg: LlamaConfig, *, interface: str = "tvmkv", target: str = "llvm", cuda_arch: str | None = None):
+def compile_llama(
+    cfg: LlamaConfig, *, interface: str = "tvmkv", target: str = "llvm", cuda_arch: str | None = None
+):
     """Export and compile the model; returns ``(executable, param_names)``.
 
     ``param_names`` lists the weights in the order the compiled ``forward`` takes them (keys of
@@ -256,7 +283,9 @@ class RelaxLlama:
         "tvmkv" or "tvm" (what the executable was compiled for).
     """
 
-    def __init__(self, executable, param_names, weights, cfg: LlamaConfig, device, *, interface: str = "tvmkv"):
+    def __init__(
+        self, executable, param_names, weights, cfg: LlamaConfig, device, *, interface: str = "tvmkv"
+    ):
         import tvm
 
         from .builtins import register
@@ -273,15 +302,22 @@ class RelaxLlama:
         self.vm = rx.VirtualMachine(executable, device)
         self._forward = self.vm["forward"]
 
-    def create_paged_kv_cache(self, *, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
-                              support_sliding_window=0):
+    def create_paged_kv_cache(
+        self, *, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window=0
+    ):
         """Call the model's own ``create_paged_kv_cache`` (interface "tvm" only)."""
         if self.interface != "tvm":
-            raise ValueError("create_paged_kv_cache exists only for interface='tvm'; construct a "
-                             "tvmkv.PagedAttentionKVCache directly for interface='tvmkv'")
-        return self.vm["create_paged_kv_cache"](tvm_shape_int(max_batch_size), tvm_shape_int(max_total_seq_len),
-                                                tvm_shape_int(prefill_chunk_size), tvm_shape_int(page_size),
-                                                tvm_shape_int(support_sliding_window))
+            raise ValueError(
+                "create_paged_kv_cache exists only for interface='tvm'; construct a "
+                "tvmkv.PagedAttentionKVCache directly for interface='tvmkv'"
+            )
+        return self.vm["create_paged_kv_cache"](
+            tvm_shape_int(max_batch_size),
+            tvm_shape_int(max_total_seq_len),
+            tvm_shape_int(prefill_chunk_size),
+            tvm_shape_int(page_size),
+            tvm_shape_int(support_sliding_window),
+        )
 
     def forward(self, token_ids, cache) -> np.ndarray:
         """Logits ``[n, V]`` float32 (NumPy) of the ``n`` new tokens of the cache's open forward.

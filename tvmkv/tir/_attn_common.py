@@ -11,7 +11,8 @@ position a key sits (for inline RoPE); :func:`build_attention` picks those piece
   together so each K/V row is loaded (and rotated) once; keys are scored a tile of ``C`` at a time
   into a local buffer, with an online softmax (running max ``m``, running sum ``d``) in base 2 and
   ``T.vectorized`` loops over the head dim.
-* cuda: one thread block per (row, kv head), one warp per query head of the group; lane ``c`` scores
+* cuda: one thread block per (row, kv head, sub-group of at most 8 query heads of the kv head), one
+  warp per query head; lane ``c`` scores
   key ``c`` of a 32-key tile (serial dot product), warp reductions give the tile's max and sum,
   and the lanes then spread over the head dim to accumulate ``P V``.
 """
@@ -88,6 +89,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
     C = CPU_TILE
     VL = CPU_VEC
     ND = (D + WARP - 1) // WARP  # head-dim elements per lane on cuda
+    GB = max(x for x in range(1, min(group, 8) + 1) if group % x == 0)  # query heads (warps) per block
     neg_inf = float("-inf")
     # LLVM lowering of bfloat16 vectors (stored as uint16) fails in the output store: keep it scalar
     out_loop = T.serial if dtype == "bfloat16" else T.vectorized
@@ -306,15 +308,16 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
     # ---------------------------------------------------------------- cuda schedule
     @_macro
     def gpu_body(N):
-        bx = T.launch_thread("blockIdx.x", N * H_kv)
-        ty = T.launch_thread("threadIdx.y", group)
+        # block bx = (row i, kv head hk, sub-group gb); warp ty = query head h = hk * group + gb * GB + ty
+        bx = T.launch_thread("blockIdx.x", N * H_kv * (group // GB))
+        ty = T.launch_thread("threadIdx.y", GB)
         tx = T.launch_thread("threadIdx.x", WARP)
-        i = T.meta_var(bx // H_kv)
-        hk = T.meta_var(bx % H_kv)
-        h = T.meta_var(bx % H_kv * group + ty)
-        Qs = T.alloc_buffer((group, D), "float32", scope="shared")  # q * sm_scale * log2(e)
-        Ps = T.alloc_buffer((group, WARP), "float32", scope="shared")
-        Ks = T.alloc_buffer((group, WARP), "int32", scope="shared")  # key index, -1 = masked
+        i = T.meta_var(bx // (H_kv * (group // GB)))
+        hk = T.meta_var(bx // (group // GB) % H_kv)
+        h = T.meta_var(bx % (H_kv * (group // GB)) * GB + ty)
+        Qs = T.alloc_buffer((GB, D), "float32", scope="shared")  # q * sm_scale * log2(e)
+        Ps = T.alloc_buffer((GB, WARP), "float32", scope="shared")
+        Ks = T.alloc_buffer((GB, WARP), "int32", scope="shared")  # key index, -1 = masked
         Fs = T.alloc_buffer((HALF,), "float32", scope="shared")  # RoPE frequencies (inline rope only)
         seq = T.alloc_buffer((3,), "int32", scope="local")
         rng = T.alloc_buffer((8,), "int32", scope="local")
