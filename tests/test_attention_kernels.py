@@ -9,6 +9,8 @@ slots of the pool hold random garbage, so a kernel that reads outside its sequen
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -367,3 +369,37 @@ def test_reference_matches_dense_softmax(rng):
             p = np.exp(s) / np.exp(s).sum()
             np.testing.assert_allclose(o_ref[r, h], p @ v[: pos + 1, h // 2], rtol=1e-12)
             np.testing.assert_allclose(lse_ref[r, h], np.log2(np.exp(s).sum()), rtol=1e-12)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_codegen_compiles(tmp_path):
+    """The cuda schedules (all six kernels, sliding + inline RoPE) give CUDA source nvcc accepts for
+    sm_80 and sm_90; runs on a machine without a GPU."""
+    from tvmkv.build import compile_funcs
+    from tvmkv.tir.decode import make_paged_decode
+    from tvmkv.tir.prefill import make_paged_prefill
+    from tvmkv.tir.ragged import make_ragged_prefill
+
+    spec = KernelSpec(12, 1, 80, 8, "bfloat16", "cuda")  # group 12: two blocks of 6 warps per kv head
+    funcs = {
+        f"paged_prefill_{m}": make_paged_prefill(spec, mask=m, sliding=True, inline_rope=True)
+        for m in ("none", "causal", "tree")
+    }
+    funcs["paged_decode"] = make_paged_decode(spec, sliding=True, inline_rope=True)
+    for m in ("causal", "tree"):
+        funcs[f"ragged_prefill_{m}"] = make_ragged_prefill(spec, mask=m, inline_rope=True)
+    src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
+    assert all(f"{name}_kernel" in src for name in funcs)
+    (tmp_path / "attn.cu").write_text(src)
+    for arch in ("sm_80", "sm_90"):
+        cmd = [
+            "nvcc",
+            f"-arch={arch}",
+            "--cubin",
+            "-diag-suppress=1046,177",
+            "-o",
+            str(tmp_path / "a.cubin"),
+            str(tmp_path / "attn.cu"),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -869,3 +869,40 @@ def test_shrink_finds_small_counterexample():
     finally:
         StatefulRunner.expected_errors = original
     assert replay_fails(cache, ops) is None
+
+
+# Each documented restriction, in the state it needs; the runner predicts the rejection ("!" ops) and
+# checks that nothing changed, then that the cache keeps working.
+RESTRICTIONS = [
+    ["add", 0],
+    ["window", 0, 6, 2],
+    ["fwd", [[0, 5]]],
+    ["fork", 0, 1, 3],  # a windowed sequence that has not slid: the child inherits its window
+    ["tree", [[1, [-1]]]],  # ! token trees on a (inherited) window
+    ["fwd", [[0, 3], [1, 5]]],  # both slide now
+    ["fork", 0, 2, 1],  # ! fork of a slid sequence (tokens were dropped)
+    ["fork", 1, 2, -1],  # ! same, for the forked child
+    ["pop", 0, 5],  # ! into dropped tokens (only 4 window tokens are kept)
+    ["pop", 0, 4],
+    ["window", 0, 8, 1],  # ! window of a slid sequence cannot change
+    ["fwd", [[0, 2]]],
+    ["add", 3],
+    ["fwd", [[3, 6]]],
+    ["tree", [[3, [-1, 0, 0]]]],
+    ["fwd", [[3, 1]]],  # ! plain forward with uncommitted tree nodes
+    ["pop", 3, 0],  # ! pop_n with uncommitted tree nodes
+    ["window", 3, 8, 0],  # ! window with uncommitted tree nodes
+    ["fork", 3, 4, 7],  # ! inside the uncommitted tree
+    ["fork", 3, 4, -1],
+    ["tree", [[3, [2, -1]], [4, [-1]]]],
+    ["commit", [[4, 0], [3, 3]]],
+    ["fwd", [[3, 1], [4, 1], [0, 1], [1, 1]]],
+]
+
+
+def test_documented_restrictions():
+    cache = make_cache(page_size=2, num_pages=40)
+    runner = StatefulRunner(cache)
+    runner.run(RESTRICTIONS)
+    assert runner.rejected == 9, runner.stats
+    assert runner.drain() == 0

@@ -17,9 +17,11 @@ engine would, with :class:`tvmkv.relax.TvmBuiltinOverride` installed.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -303,7 +305,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the PyTorch reference check")
     p.add_argument("--build-dir", default=None, help="tvmkv kernel cache (default TVMKV_BUILD_DIR or build/)")
+    p.add_argument(
+        "--export-lib",
+        default=None,
+        metavar="PATH",
+        help="compile the model, write it to PATH (.so) with its parameter names (.json), and exit",
+    )
+    p.add_argument(
+        "--model-lib",
+        default=None,
+        metavar="PATH",
+        help="run a model library written by --export-lib instead of compiling (runtime-only TVM)",
+    )
     return p
+
+
+def _runtime_only() -> bool:
+    """A runtime-only TVM (the GPU machine's payload) cannot compile (same flag as tvmkv.build)."""
+    import os
+
+    return os.environ.get("TVM_USE_RUNTIME_LIB") == "1"
 
 
 def main(argv=None) -> int:
@@ -312,9 +333,17 @@ def main(argv=None) -> int:
 
     import tvmkv
     from tvmkv.relax import TvmBuiltinOverride
+    from tvmkv.relax.builtins import cuda_target
     from tvmkv.relax.llama import LlamaConfig, RelaxLlama, compile_llama, make_weights
 
-    if args.target == "cuda" and not tvm.cuda(0).exist:
+    if args.target == "cuda" and args.export_lib is None and args.model_lib is None and _runtime_only():
+        print(
+            "error: this TVM is runtime-only: compile with --export-lib on a build machine, pass --model-lib",
+            file=sys.stderr,
+        )
+        return 2
+
+    if args.target == "cuda" and not tvm.cuda(0).exist and not args.export_lib:
         print("error: --target cuda but no CUDA device is present; use --target llvm", file=sys.stderr)
         return 2
     cfg = LlamaConfig(num_layers=args.layers, head_dim=args.head_dim, dtype=args.dtype, seed=args.seed)
@@ -322,7 +351,7 @@ def main(argv=None) -> int:
     device = tvm.cpu(0) if args.target == "llvm" else tvm.cuda(0)
     arch = args.cuda_arch
     if args.target == "cuda" and arch is None:
-        arch = "sm_" + device.compute_version.replace(".", "")
+        arch = "sm_" + device.compute_version.replace(".", "") if device.exist else "sm_90"
     requests = default_requests(cfg.vocab_size, args.seed)
     fork = (0, 3, 8)
     max_total = 4 * sum(len(r.prompt) + r.max_new_tokens for r in requests)
@@ -337,8 +366,18 @@ def main(argv=None) -> int:
         f"interface={args.interface} {sizes}"
     )
     t0 = time.perf_counter()
-    ex, names = compile_llama(cfg, interface=args.interface, target=args.target, cuda_arch=arch)
-    print(f"  model compiled in {time.perf_counter() - t0:.1f}s")
+    if args.model_lib:
+        ex = tvm.runtime.load_module(args.model_lib)
+        names = json.loads(Path(args.model_lib).with_suffix(".json").read_text())["param_names"]
+        print(f"  model loaded from {args.model_lib} in {time.perf_counter() - t0:.1f}s")
+    else:
+        ex, names = compile_llama(cfg, interface=args.interface, target=args.target, cuda_arch=arch)
+        print(f"  model compiled in {time.perf_counter() - t0:.1f}s")
+    if args.export_lib:
+        ex.export_library(args.export_lib)
+        Path(args.export_lib).with_suffix(".json").write_text(json.dumps({"param_names": names}))
+        print(f"  wrote {args.export_lib}")
+        return 0
     override = TvmBuiltinOverride(build_dir=args.build_dir, cuda_arch=arch)
     t0 = time.perf_counter()
     with override:  # only needed for interface "tvm"; harmless otherwise
@@ -347,9 +386,7 @@ def main(argv=None) -> int:
             cache = model.create_paged_kv_cache(**sizes)
             ops = BuiltinOps(cache)
         else:
-            target = (
-                args.target if args.target == "llvm" else tvm.target.Target({"kind": "cuda", "arch": arch})
-            )
+            target = args.target if args.target == "llvm" else cuda_target(arch)
             cache = tvmkv.PagedAttentionKVCache(
                 cfg.num_layers,
                 cfg.num_qo_heads,

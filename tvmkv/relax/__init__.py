@@ -7,7 +7,15 @@
   cache-free PyTorch reference.
 """
 
-from .builtins import UNSUPPORTED, TvmBuiltinOverride, register
-from .nn_cache import ATTENTION_FUNC, TvmkvKVCache
+from .builtins import ATTENTION_FUNC, UNSUPPORTED, TvmBuiltinOverride, register
 
 __all__ = ["ATTENTION_FUNC", "UNSUPPORTED", "TvmBuiltinOverride", "TvmkvKVCache", "register"]
+
+
+def __getattr__(name):
+    # TvmkvKVCache needs TVM's compiler (tvm.relax.frontend.nn); running a prebuilt model does not.
+    if name == "TvmkvKVCache":
+        from .nn_cache import TvmkvKVCache
+
+        return TvmkvKVCache
+    raise AttributeError(f"module 'tvmkv.relax' has no attribute {name!r}")

@@ -24,7 +24,8 @@ import numpy as np
 import tvm_ffi
 
 from ..runtime.cache import PagedAttentionKVCache
-from .nn_cache import ATTENTION_FUNC
+
+ATTENTION_FUNC = "tvmkv.attention_with_fused_qkv"
 
 _ROPE_MODES = {0: "none", 1: "normal", 2: "inline"}
 _ATTN_KIND_MHA = 0  # tvm.relax.frontend.nn.llm.kv_cache.AttnKind.MHA
@@ -77,6 +78,23 @@ def _attention(cache, layer_id, sm_scale, qkv, out) -> None:
 def register() -> None:
     """Register ``tvmkv.attention_with_fused_qkv`` (idempotent). Call before constructing the VM."""
     tvm_ffi.register_global_func(ATTENTION_FUNC, _attention, override=True)
+
+
+def cuda_target(arch: str | None):
+    """The cache's ``target`` for CUDA kernels of ``arch``.
+
+    Plain ``"cuda"`` when ``arch`` is tvmkv's default (``TVMKV_CUDA_ARCH`` or sm_90): the only spelling
+    a runtime-only TVM (no ``Target`` constructor) accepts; otherwise a ``tvm.target.Target``.
+    """
+    import os
+
+    from ..build import DEFAULT_CUDA_ARCH
+
+    if arch is None or arch == os.environ.get("TVMKV_CUDA_ARCH", DEFAULT_CUDA_ARCH):
+        return "cuda"
+    import tvm
+
+    return tvm.target.Target({"kind": "cuda", "arch": arch})
 
 
 # ---------------------------------------------------------------------------- drop-in route
@@ -255,7 +273,7 @@ class TvmBuiltinOverride:
             import tvm
 
             arch = self.cuda_arch or "sm_" + tvm.cuda(ref.device.index).compute_version.replace(".", "")
-            target = tvm.target.Target({"kind": "cuda", "arch": arch})
+            target = cuda_target(arch)
         else:
             raise NotImplementedError(f"device {ref.device}: tvmkv runs on CPU (llvm) and CUDA only")
         return dict(

@@ -21,11 +21,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from tvm import relax as rx
-from tvm.relax.frontend import nn
-from tvm.relax.frontend.nn import op
-
-from .nn_cache import TvmkvKVCache
 
 INTERFACES = ("tvmkv", "tvm")
 
@@ -93,149 +88,6 @@ def make_weights(cfg: LlamaConfig) -> dict[str, np.ndarray]:
     return w
 
 
-# ---------------------------------------------------------------------------- nn.Module
-class Linear(nn.Linear):
-    """``y = x W^T`` without bias, accumulated in float32 and returned in the model dtype.
-
-    (fp16 models accumulate in fp32, as GPU GEMMs do; a float16 accumulator over 512 terms alone
-    costs about 1e-2 of logit accuracy.)
-    """
-
-    def __init__(self, in_features: int, out_features: int, dtype: str):
-        super().__init__(in_features, out_features, bias=False, dtype=dtype, out_dtype="float32")
-        self.model_dtype = dtype
-
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        y = super().forward(x)
-        return y if self.model_dtype == "float32" else y.astype(self.model_dtype)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int):
-        self.cfg = cfg
-        self.layer_id = layer_id
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.qkv_heads * cfg.head_dim, cfg.dtype)
-        self.o_proj = Linear(cfg.num_qo_heads * cfg.head_dim, cfg.hidden_size, cfg.dtype)
-
-    def forward(self, x: nn.Tensor, paged_kv_cache) -> nn.Tensor:
-        cfg = self.cfg
-        b, s, _ = x.shape
-        qkv = op.reshape(self.qkv_proj(x), (b, s, cfg.qkv_heads, cfg.head_dim))  # [b, s, H_qo + 2 H_kv, D]
-        o = paged_kv_cache.attention_with_fused_qkv(self.layer_id, qkv, cfg.num_qo_heads, cfg.sm_scale)
-        return self.o_proj(op.reshape(o, (b, s, cfg.num_qo_heads * cfg.head_dim)))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.dtype)
-
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int):
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
-        self.self_attn = LlamaAttention(cfg, layer_id)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
-        self.mlp = LlamaMLP(cfg)
-
-    def forward(self, x: nn.Tensor, paged_kv_cache) -> nn.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), paged_kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class TinyLlama(nn.Module):
-    """The decoder. ``forward(input_ids [1, n] int32, paged_kv_cache) -> logits [1, n, V] float32``.
-
-    ``n`` is the number of new tokens of the cache's open forward, in ``begin_forward`` order (a
-    prefill chunk, a batch of one-token decodes, or a mix).
-    """
-
-    def __init__(self, cfg: LlamaConfig, *, target_kind: str = "llvm"):
-        self.cfg = cfg
-        self.target_kind = target_kind
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers)])
-        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
-        self.lm_head = nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, out_dtype="float32"
-        )
-
-    def forward(self, input_ids: nn.Tensor, paged_kv_cache) -> nn.Tensor:
-        x = self.embed_tokens(input_ids)  # [1, n, H]
-        for layer in self.layers:
-            x = layer(x, paged_kv_cache)
-        return self.lm_head(self.norm(x))  # [1, n, V] float32
-
-    def create_paged_kv_cache(
-        self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window
-    ):
-        """TVM's interface: a ``TIRPagedKVCache`` (RoPE "normal") sized at run time, as MLC-LLM models do."""
-        import tvm
-        from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
-
-        cfg = self.cfg
-        return TIRPagedKVCache(
-            attn_kind="mha",
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=support_sliding_window,
-            layer_partition=rx.ShapeExpr([0, cfg.num_layers]),
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_qo_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            qk_head_dim=cfg.head_dim,
-            v_head_dim=cfg.head_dim,
-            mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
-            rope_scale=cfg.rope_scale,
-            rope_theta=cfg.rope_theta,
-            rope_scaling={},
-            rope_ext_factors=rx.prim_value(0),
-            rotary_dim=cfg.head_dim,
-            enable_disaggregation=False,
-            dtype=cfg.dtype,
-            target=tvm.target.Target(self.target_kind),
-        )
-
-
-def export_spec(interface: str) -> dict:
-    """``export_tvm`` spec: ``forward`` (params packed), plus ``create_paged_kv_cache`` for "tvm"."""
-    if interface not in INTERFACES:
-        raise ValueError(f"interface={interface!r} is not one of {INTERFACES}")
-    if interface == "tvmkv":
-        cache_cls = TvmkvKVCache
-    else:
-        from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache as cache_cls
-    spec = {
-        "forward": {
-            "input_ids": nn.spec.Tensor([1, "n"], "int32"),
-            "paged_kv_cache": nn.spec.Object(object_type=cache_cls),
-            "$": {"param_mode": "packed", "effect_mode": "none"},
-        }
-    }
-    if interface == "tvm":
-        sizes = (
-            "max_batch_size",
-            "max_total_seq_len",
-            "prefill_chunk_size",
-            "page_size",
-            "support_sliding_window",
-        )
-        spec["create_paged_kv_cache"] = {
-            **{name: int for name in sizes},
-            "$": {"param_mode": "none", "effect_mode": "none"},
-        }
-    return spec
-
-
 # ---------------------------------------------------------------------------- compile + run
 def target_of(target_kind: str, cuda_arch: str | None = None):
     """``tvm.target.Target`` for "llvm" or "cuda" (arch default: TVMKV's sm_90)."""
@@ -257,6 +109,8 @@ def compile_llama(
     :func:`make_weights`). For "cuda" the Relax default GPU pipeline (DLight schedules) is used.
     """
     import tvm
+
+    from .llama_nn import TinyLlama, export_spec
 
     spec = export_spec(interface)
     model = TinyLlama(cfg, target_kind=target)
@@ -287,6 +141,7 @@ class RelaxLlama:
         self, executable, param_names, weights, cfg: LlamaConfig, device, *, interface: str = "tvmkv"
     ):
         import tvm
+        from tvm.runtime.vm import VirtualMachine  # no compiler needed (runtime-only TVM on a GPU machine)
 
         from .builtins import register
 
@@ -299,7 +154,7 @@ class RelaxLlama:
         if missing:
             raise KeyError(f"weights lack {missing[:3]}...; build them with make_weights(cfg)")
         self.params = [tvm.runtime.tensor(weights[n].astype(cfg.dtype), device) for n in param_names]
-        self.vm = rx.VirtualMachine(executable, device)
+        self.vm = VirtualMachine(executable, device)
         self._forward = self.vm["forward"]
 
     def create_paged_kv_cache(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tvm import relax as rx
 from tvm.relax.frontend import nn
 
-ATTENTION_FUNC = "tvmkv.attention_with_fused_qkv"
+from .builtins import ATTENTION_FUNC
 
 
 class TvmkvKVCache(nn.Object):
