@@ -25,8 +25,10 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
-TARGETS = ["llvm", pytest.param("cuda", marks=[pytest.mark.gpu,
-                                               pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")])]
+TARGETS = [
+    "llvm",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
+]
 
 
 @pytest.fixture(params=TARGETS)

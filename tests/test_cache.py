@@ -9,7 +9,8 @@ import tvmkv
 from tvmkv.replay import NEEDS_SLIDING, SCENARIOS, Replayer
 from tvmkv.runtime.tensors import numpy_dtype
 
-# A covering set of configurations: every value of every axis appears (dtype x head_dim x rope x group x page).
+# A covering set of configurations: every value of every axis appears
+# (dtype x head_dim x rope x group x page).
 CONFIGS = [
     # dtype,    D,  rope,     group, page
     ("float32", 64, "none", 1, 16),
@@ -23,19 +24,41 @@ CONFIGS = [
 ]
 
 
-def make_cache(target, dtype="float32", head_dim=64, rope_mode="none", group=4, page_size=16, *, sliding=False,
-               num_layers=2, num_kv_heads=2, **kw):
+def make_cache(
+    target,
+    dtype="float32",
+    head_dim=64,
+    rope_mode="none",
+    group=4,
+    page_size=16,
+    *,
+    sliding=False,
+    num_layers=2,
+    num_kv_heads=2,
+    **kw,
+):
     opts = dict(max_batch_size=16, max_total_seq_len=512, prefill_chunk_size=256)
     opts.update(kw)
-    return tvmkv.PagedAttentionKVCache(num_layers, group * num_kv_heads, num_kv_heads, head_dim, page_size=page_size,
-                                       dtype=dtype, rope_mode=rope_mode, support_sliding_window=sliding,
-                                       target=target, **opts)
+    return tvmkv.PagedAttentionKVCache(
+        num_layers,
+        group * num_kv_heads,
+        num_kv_heads,
+        head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        rope_mode=rope_mode,
+        support_sliding_window=sliding,
+        target=target,
+        **opts,
+    )
 
 
 @pytest.mark.parametrize("dtype,head_dim,rope_mode,group,page_size", CONFIGS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_replay(target, scenario, dtype, head_dim, rope_mode, group, page_size):
-    cache = make_cache(target, dtype, head_dim, rope_mode, group, page_size, sliding=scenario in NEEDS_SLIDING)
+    cache = make_cache(
+        target, dtype, head_dim, rope_mode, group, page_size, sliding=scenario in NEEDS_SLIDING
+    )
     r = Replayer(cache, seed=hash((scenario, head_dim, page_size)) % 1000)
     rows = r.run(SCENARIOS[scenario])
     assert len(rows) == len(SCENARIOS[scenario])
@@ -74,7 +97,9 @@ def assert_same(cache, before, start=0):
 @pytest.fixture
 def filled(target):
     """A cache with sequences 0 (21 tokens) and 1 (forked from 0 at 10, plus 3)."""
-    cache = make_cache(target, "float32", 64, "none", 2, 8, num_pages=40, max_total_seq_len=256, prefill_chunk_size=512)
+    cache = make_cache(
+        target, "float32", 64, "none", 2, 8, num_pages=40, max_total_seq_len=256, prefill_chunk_size=512
+    )
     rng = np.random.default_rng(1)
     cache.add_sequence(0)
     run_forward(cache, rng, [0], [21])
@@ -104,8 +129,10 @@ MISUSES = {
     "pop more than length": (ValueError, lambda c: c.pop_n(1, 14)),
     "pop negative": (ValueError, lambda c: c.pop_n(0, -1)),
     "pop unknown": (KeyError, lambda c: c.pop_n(9, 1)),
-    "attention outside forward": (tvmkv.ForwardStateError,
-                                  lambda c: c.attention_with_fused_qkv(0, np.zeros((1, 6, 64), np.float32))),
+    "attention outside forward": (
+        tvmkv.ForwardStateError,
+        lambda c: c.attention_with_fused_qkv(0, np.zeros((1, 6, 64), np.float32)),
+    ),
     "end without forward": (tvmkv.ForwardStateError, lambda c: c.end_forward()),
     "begin unknown seq": (KeyError, lambda c: c.begin_forward([0, 9], [1, 1])),
     "begin repeated seq": (ValueError, lambda c: c.begin_forward([0, 0], [1, 1])),
@@ -114,8 +141,10 @@ MISUSES = {
     "begin length mismatch": (ValueError, lambda c: c.begin_forward([0, 1], [1])),
     "begin empty": (ValueError, lambda c: c.begin_forward([], [])),
     "begin over chunk": (ValueError, lambda c: c.begin_forward([0], [513])),
-    "begin over batch": (ValueError, lambda c: [c.add_sequence(i) for i in range(2, 17)]
-                         and c.begin_forward(list(range(17)), [1] * 17)),
+    "begin over batch": (
+        ValueError,
+        lambda c: [c.add_sequence(i) for i in range(2, 17)] and c.begin_forward(list(range(17)), [1] * 17),
+    ),
     "begin out of pages": (tvmkv.OutOfPagesError, lambda c: c.begin_forward([0, 1], [250, 50])),
     "window without support": (ValueError, lambda c: c.enable_sliding_window_for_seq(0, 8, 2)),
     "tree bad parent": (ValueError, lambda c: c.begin_forward([0], [2], [-1, 1])),
@@ -153,8 +182,10 @@ ATTENTION_MISUSES = {
     "nested begin": (tvmkv.ForwardStateError, lambda c, q: c.begin_forward([0], [1])),
     "remove during forward": (tvmkv.ForwardStateError, lambda c, q: c.remove_sequence(0)),
     "wrong device": (ValueError, lambda c, q: c.attention_with_fused_qkv(0, _meta_tensor(q))),
-    "out wrong shape": (ValueError, lambda c, q: c.attention_with_fused_qkv(0, q, out=np.zeros((3, 5, 64),
-                                                                                               np.float32))),
+    "out wrong shape": (
+        ValueError,
+        lambda c, q: c.attention_with_fused_qkv(0, q, out=np.zeros((3, 5, 64), np.float32)),
+    ),
 }
 
 
@@ -183,8 +214,9 @@ def test_attention_misuse(filled, name):
 
 
 def test_out_of_pages_then_retry(target):
-    cache = make_cache(target, "float32", 64, "none", 1, 16, num_pages=32, max_total_seq_len=512,
-                       prefill_chunk_size=512)
+    cache = make_cache(
+        target, "float32", 64, "none", 1, 16, num_pages=32, max_total_seq_len=512, prefill_chunk_size=512
+    )
     rng = np.random.default_rng(4)
     for sid in range(3):
         cache.add_sequence(sid)
@@ -238,8 +270,12 @@ def test_sliding_window_misuse(target):
     run_forward(cache, rng, [0], [20])
     before = snapshot(cache, start=14)  # kept: sink [0, 2) and window [14, 20)
     np.testing.assert_array_equal(cache.debug_get_kv(0, 0, 2)[0].shape, (2, 2, 2, 64))
-    for call in (lambda: cache.fork_sequence(0, 1), lambda: cache.pop_n(0, 7),
-                 lambda: cache.debug_get_kv(0, 0, 20), lambda: cache.begin_forward([0], [1], [-1])):
+    for call in (
+        lambda: cache.fork_sequence(0, 1),
+        lambda: cache.pop_n(0, 7),
+        lambda: cache.debug_get_kv(0, 0, 20),
+        lambda: cache.begin_forward([0], [1], [-1]),
+    ):
         with pytest.raises(ValueError):
             call()
         assert_same(cache, before, start=14)
@@ -260,8 +296,9 @@ def test_constructor_errors():
 
 
 def test_capacity_sizing():
-    cache = tvmkv.PagedAttentionKVCache(2, 4, 2, 64, page_size=16, dtype="float32", memory_fraction=0.001,
-                                        max_total_seq_len=64)
+    cache = tvmkv.PagedAttentionKVCache(
+        2, 4, 2, 64, page_size=16, dtype="float32", memory_fraction=0.001, max_total_seq_len=64
+    )
     from tvmkv.runtime.cache import _available_bytes
 
     want = int(_available_bytes(cache.device) * 0.001) // (cache.config.page_bytes * 2)

@@ -61,8 +61,9 @@ class CacheConfig:
 
     @property
     def kernel_spec(self) -> KernelSpec:
-        return KernelSpec(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype,
-                          self.target_kind)
+        return KernelSpec(
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.target_kind
+        )
 
     @property
     def total_pages(self) -> int:

@@ -52,32 +52,77 @@ def _tvm_operation_seq():
 SCENARIOS = {
     "tvm_operation_seq": _tvm_operation_seq(),
     "fork": [
-        ["add", 0], ["fwd", [[0, 13]]], ["fork", 0, 1, -1], ["fork", 0, 2, 5], ["fwd", [[0, 3], [1, 2], [2, 4]]],
-        ["fork", 1, 3, 9], ["fork", 3, 4, -1], ["fwd", [[3, 1], [4, 5], [0, 1]]],
-        ["fwd", [[i, 1] for i in range(5)]], ["fork", 2, 5, 0], ["fwd", [[5, 7], [2, 1]]],
-        ["remove", 1], ["fwd", [[3, 1], [4, 1]]], ["remove", 0], ["remove", 4], ["remove", 2], ["remove", 3],
+        ["add", 0],
+        ["fwd", [[0, 13]]],
+        ["fork", 0, 1, -1],
+        ["fork", 0, 2, 5],
+        ["fwd", [[0, 3], [1, 2], [2, 4]]],
+        ["fork", 1, 3, 9],
+        ["fork", 3, 4, -1],
+        ["fwd", [[3, 1], [4, 5], [0, 1]]],
+        ["fwd", [[i, 1] for i in range(5)]],
+        ["fork", 2, 5, 0],
+        ["fwd", [[5, 7], [2, 1]]],
+        ["remove", 1],
+        ["fwd", [[3, 1], [4, 1]]],
+        ["remove", 0],
+        ["remove", 4],
+        ["remove", 2],
+        ["remove", 3],
         ["remove", 5],
     ],
     "pop": [
-        ["add", 0], ["fwd", [[0, 20]]], ["pop", 0, 3], ["fwd", [[0, 2]]], ["fork", 0, 1, -1], ["pop", 0, 5],
-        ["fwd", [[0, 1], [1, 1]]], ["pop", 1, 16], ["fwd", [[1, 4], [0, 3]]], ["pop", 0, 0], ["pop", 1, 8],
-        ["fwd", [[0, 1], [1, 1]]], ["remove", 0], ["remove", 1],
+        ["add", 0],
+        ["fwd", [[0, 20]]],
+        ["pop", 0, 3],
+        ["fwd", [[0, 2]]],
+        ["fork", 0, 1, -1],
+        ["pop", 0, 5],
+        ["fwd", [[0, 1], [1, 1]]],
+        ["pop", 1, 16],
+        ["fwd", [[1, 4], [0, 3]]],
+        ["pop", 0, 0],
+        ["pop", 1, 8],
+        ["fwd", [[0, 1], [1, 1]]],
+        ["remove", 0],
+        ["remove", 1],
     ],
     "sliding": [
-        ["add", 0], ["add", 1], ["add", 2], ["window", 0, 12, 3], ["window", 1, 9, 0], ["fwd", [[0, 20], [1, 6]]],
-        ["fwd", [[0, 1], [1, 1]]], ["fwd", [[0, 5], [1, 7], [2, 4]]], ["fwd", [[0, 1], [1, 1], [2, 1]]],
-        ["window", 2, 8, 2], ["fwd", [[0, 1], [1, 1], [2, 9]]], ["fwd", [[i, 1] for i in range(3)]],
-        ["pop", 0, 2], ["fwd", [[0, 2], [2, 1]]], ["remove", 1], ["remove", 0], ["remove", 2],
+        ["add", 0],
+        ["add", 1],
+        ["add", 2],
+        ["window", 0, 12, 3],
+        ["window", 1, 9, 0],
+        ["fwd", [[0, 20], [1, 6]]],
+        ["fwd", [[0, 1], [1, 1]]],
+        ["fwd", [[0, 5], [1, 7], [2, 4]]],
+        ["fwd", [[0, 1], [1, 1], [2, 1]]],
+        ["window", 2, 8, 2],
+        ["fwd", [[0, 1], [1, 1], [2, 9]]],
+        ["fwd", [[i, 1] for i in range(3)]],
+        ["pop", 0, 2],
+        ["fwd", [[0, 2], [2, 1]]],
+        ["remove", 1],
+        ["remove", 0],
+        ["remove", 2],
     ],
     "tree": [
-        ["add", 0], ["add", 1], ["add", 2], ["fwd", [[0, 9], [1, 4], [2, 1]]],
+        ["add", 0],
+        ["add", 1],
+        ["add", 2],
+        ["fwd", [[0, 9], [1, 4], [2, 1]]],
         ["tree", [[0, [-1, 0, 0, 1, -1]], [1, [-1, 0, 1, 2]], [2, [-1]]]],
         ["tree", [[1, [3, 4]], [0, [2, 5]]]],
         ["commit", [[1, 5], [0, 6], [2, -1]]],
         ["fwd", [[0, 1], [1, 1], [2, 2]]],
-        ["tree", [[2, [-1, 0, 0, 2, -1]]]], ["commit", [[2, 3]]],
-        ["tree", [[0, [-1, 0]], [1, [-1]]]], ["commit", [[0, -1], [1, 0]]],
-        ["fwd", [[0, 1], [1, 1], [2, 1]]], ["remove", 2], ["remove", 0], ["remove", 1],
+        ["tree", [[2, [-1, 0, 0, 2, -1]]]],
+        ["commit", [[2, 3]]],
+        ["tree", [[0, [-1, 0]], [1, [-1]]]],
+        ["commit", [[0, -1], [1, 0]]],
+        ["fwd", [[0, 1], [1, 1], [2, 1]]],
+        ["remove", 2],
+        ["remove", 0],
+        ["remove", 1],
     ],
 }
 NEEDS_SLIDING = {"sliding"}
@@ -105,13 +150,24 @@ class Replayer:
     def __init__(self, cache, *, seed=0, atol=None, rtol=None):
         cfg = cache.config
         self.cache = cache
-        self.model = CacheModel(cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                rope_mode=cfg.rope_mode, rope_scale=cfg.rope_scale, rope_theta=cfg.rope_theta,
-                                dtype=cfg.dtype)
+        self.model = CacheModel(
+            cfg.num_layers,
+            cfg.num_qo_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rope_mode=cfg.rope_mode,
+            rope_scale=cfg.rope_scale,
+            rope_theta=cfg.rope_theta,
+            dtype=cfg.dtype,
+        )
         self.rng = np.random.default_rng(seed)
         tight = cfg.dtype == "float32"
-        self.atol = atol if atol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)
-        self.rtol = rtol if rtol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)
+        self.atol = (
+            atol if atol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)
+        )
+        self.rtol = (
+            rtol if rtol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)
+        )
         self.initial_free = cache.num_available_pages()
 
     def run(self, ops, on_row=None) -> list:
@@ -121,8 +177,15 @@ class Replayer:
             self.cache.check_integrity()
             self.check_kv()
             total = self.cache.config.total_pages
-            row = StepRow(step, _fmt_op(op), batch, tokens, total - self.cache.num_available_pages(),
-                          self.cache.num_available_pages(), err)
+            row = StepRow(
+                step,
+                _fmt_op(op),
+                batch,
+                tokens,
+                total - self.cache.num_available_pages(),
+                self.cache.num_available_pages(),
+                err,
+            )
             rows.append(row)
             if on_row:
                 on_row(row)
@@ -159,8 +222,10 @@ class Replayer:
             cache.commit_accepted_token_tree_nodes(ids, leaves)
             model.commit(ids, leaves)
         else:
-            raise ValueError(f"unknown replay operation {op[0]!r}; expected one of add/remove/fork/pop/window/"
-                             "fwd/tree/commit")
+            raise ValueError(
+                f"unknown replay operation {op[0]!r}; expected one of add/remove/fork/pop/window/"
+                "fwd/tree/commit"
+            )
         return 0.0, 0, 0
 
     def forward(self, ids, lengths, parents, flat) -> float:
@@ -175,8 +240,13 @@ class Replayer:
             ref, _ = self.model.attention(layer, qkv)
             o = np.asarray(o, np.float64)
             worst = max(worst, float(np.abs(o - ref).max()))
-            np.testing.assert_allclose(o, ref, atol=self.atol, rtol=self.rtol,
-                                       err_msg=f"attention output of layer {layer}, seqs {ids}, lengths {lengths}")
+            np.testing.assert_allclose(
+                o,
+                ref,
+                atol=self.atol,
+                rtol=self.rtol,
+                err_msg=f"attention output of layer {layer}, seqs {ids}, lengths {lengths}",
+            )
         self.cache.end_forward()
         self.model.end()
         return worst
@@ -191,12 +261,17 @@ class Replayer:
             breaks = np.nonzero(np.diff(pos) != 1)[0] + 1
             for run in np.split(np.arange(len(pos)), breaks):
                 k, v = self.cache.debug_get_kv(sid, int(pos[run[0]]), int(pos[run[-1]]) + 1)
-                tol = dict(atol=1e-5, rtol=1e-5) if self.cache.config.dtype == "float32" else dict(atol=2e-3,
-                                                                                                     rtol=2e-3)
-                np.testing.assert_allclose(np.asarray(k, np.float64), k_ref[:, run], **tol,
-                                           err_msg=f"stored K of sequence {sid}")
-                np.testing.assert_allclose(np.asarray(v, np.float64), v_ref[:, run], **tol,
-                                           err_msg=f"stored V of sequence {sid}")
+                tol = (
+                    dict(atol=1e-5, rtol=1e-5)
+                    if self.cache.config.dtype == "float32"
+                    else dict(atol=2e-3, rtol=2e-3)
+                )
+                np.testing.assert_allclose(
+                    np.asarray(k, np.float64), k_ref[:, run], **tol, err_msg=f"stored K of sequence {sid}"
+                )
+                np.testing.assert_allclose(
+                    np.asarray(v, np.float64), v_ref[:, run], **tol, err_msg=f"stored V of sequence {sid}"
+                )
 
     def check_drained(self) -> None:
         """After every sequence is removed the free list is whole again."""
@@ -205,14 +280,37 @@ class Replayer:
             assert free == self.initial_free, f"{self.initial_free - free} pages leaked"
 
 
-def replay(name, *, target="llvm", dtype="float32", head_dim=64, num_qo_heads=8, num_kv_heads=2, page_size=16,
-           rope_mode="none", num_layers=2, on_row=None, seed=0) -> list:
+def replay(
+    name,
+    *,
+    target="llvm",
+    dtype="float32",
+    head_dim=64,
+    num_qo_heads=8,
+    num_kv_heads=2,
+    page_size=16,
+    rope_mode="none",
+    num_layers=2,
+    on_row=None,
+    seed=0,
+) -> list:
     """Replay scenario ``name`` on a fresh cache; raises AssertionError on any mismatch."""
     from . import PagedAttentionKVCache
 
-    cache = PagedAttentionKVCache(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size=page_size,
-                                  max_batch_size=16, max_total_seq_len=512, prefill_chunk_size=256, dtype=dtype,
-                                  rope_mode=rope_mode, support_sliding_window=name in NEEDS_SLIDING, target=target)
+    cache = PagedAttentionKVCache(
+        num_layers,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size=page_size,
+        max_batch_size=16,
+        max_total_seq_len=512,
+        prefill_chunk_size=256,
+        dtype=dtype,
+        rope_mode=rope_mode,
+        support_sliding_window=name in NEEDS_SLIDING,
+        target=target,
+    )
     r = Replayer(cache, seed=seed)
     rows = r.run(SCENARIOS[name], on_row=on_row)
     r.check_drained()
@@ -236,19 +334,33 @@ def main(argv=None) -> int:
         ap.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
     failures = 0
     for name in names:
-        print(f"\n== {name} ({args.target}, {args.dtype}, D={args.head_dim}, H_qo={args.num_qo_heads}, "
-              f"H_kv={args.num_kv_heads}, page={args.page_size}, rope={args.rope_mode})")
-        print(f"{'step':>4}  {'operation':<48} {'batch':>5} {'tokens':>6} {'used':>5} {'free':>5} {'max err':>9}")
+        print(
+            f"\n== {name} ({args.target}, {args.dtype}, D={args.head_dim}, H_qo={args.num_qo_heads}, "
+            f"H_kv={args.num_kv_heads}, page={args.page_size}, rope={args.rope_mode})"
+        )
+        header = ("step", "operation", "batch", "tokens", "used", "free", "max err")
+        print("{:>4}  {:<48} {:>5} {:>6} {:>5} {:>5} {:>9}".format(*header))
         t0 = time.time()
 
         def show(row):
-            print(f"{row.step:>4}  {row.op:<48} {row.batch:>5} {row.tokens:>6} {row.pages_used:>5} "
-                  f"{row.pages_free:>5} {row.max_err:>9.2e}", flush=True)
+            print(
+                f"{row.step:>4}  {row.op:<48} {row.batch:>5} {row.tokens:>6} {row.pages_used:>5} "
+                f"{row.pages_free:>5} {row.max_err:>9.2e}",
+                flush=True,
+            )
 
         try:
-            replay(name, target=args.target, dtype=args.dtype, head_dim=args.head_dim,
-                   num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads, page_size=args.page_size,
-                   rope_mode=args.rope_mode, on_row=show)
+            replay(
+                name,
+                target=args.target,
+                dtype=args.dtype,
+                head_dim=args.head_dim,
+                num_qo_heads=args.num_qo_heads,
+                num_kv_heads=args.num_kv_heads,
+                page_size=args.page_size,
+                rope_mode=args.rope_mode,
+                on_row=show,
+            )
             print(f"-- {name}: OK ({time.time() - t0:.1f}s)")
         except AssertionError as err:
             failures += 1

@@ -45,8 +45,18 @@ class _Seq:
 class CacheModel:
     """Shadow model of ``PagedAttentionKVCache`` semantics (see module docstring)."""
 
-    def __init__(self, num_layers, num_qo_heads, num_kv_heads, head_dim, *, rope_mode="none", rope_scale=1.0,
-                 rope_theta=1e4, dtype="float32"):
+    def __init__(
+        self,
+        num_layers,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        *,
+        rope_mode="none",
+        rope_scale=1.0,
+        rope_theta=1e4,
+        dtype="float32",
+    ):
         self.L, self.Hq, self.Hkv, self.D = num_layers, num_qo_heads, num_kv_heads, head_dim
         self.dtype = dtype  # what the cache stores: rotated q/k are rounded to it
         self.rope_mode, self.scale, self.theta = rope_mode, rope_scale, rope_theta
@@ -121,9 +131,13 @@ class CacheModel:
                 hist_k = np.concatenate([s.k[layer], s.tk[layer][:old_tree]])
                 hist_v = np.concatenate([s.v[layer], s.tv[layer][:old_tree]])
                 hist_pos = np.concatenate([s.pos, s.length + depth[:old_tree]])
-                visible_new = np.array([[anc[old_tree + i][old_tree + j] for j in range(n)] for i in range(n)])
+                visible_new = np.array(
+                    [[anc[old_tree + i][old_tree + j] for j in range(n)] for i in range(n)]
+                )
                 new_pos = qpos
-            stored_k = self._round(rope_np(k, new_pos, self.scale, self.theta)) if self.rope_mode == "normal" else k
+            stored_k = (
+                self._round(rope_np(k, new_pos, self.scale, self.theta)) if self.rope_mode == "normal" else k
+            )
             # store this layer's new K/V
             if fwd["parents"] is None:
                 self._stash(s, layer, stored_k, v)
@@ -144,8 +158,9 @@ class CacheModel:
                     vis_hist = np.ones(H, bool)
                 else:
                     anc = self._ancestors(s.tparent)
-                    vis_hist = np.r_[np.ones(s.k.shape[1], bool),
-                                     [anc[old_tree + i][j] for j in range(old_tree)]].astype(bool)
+                    vis_hist = np.r_[
+                        np.ones(s.k.shape[1], bool), [anc[old_tree + i][j] for j in range(old_tree)]
+                    ].astype(bool)
                 vis = np.r_[vis_hist, visible_new[i]].astype(bool)
                 for h in range(Hq):
                     kv_h = h // (Hq // Hkv)

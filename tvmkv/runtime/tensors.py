@@ -17,7 +17,7 @@ def numpy_dtype(dtype: str):
 
 
 def array_kind(x) -> str:
-    """"numpy", "torch" or "tvm" for an accepted array; TypeError for anything else."""
+    """ "numpy", "torch" or "tvm" for an accepted array; TypeError for anything else."""
     import tvm
 
     if isinstance(x, np.ndarray):
