@@ -403,3 +403,37 @@ def test_cuda_codegen_compiles(tmp_path):
         ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_decode_cuda_fast_path_compiles(tmp_path):
+    """The bandwidth-oriented cuda decode schedule (tvmkv.tir.decode_cuda) for shapes the codegen
+    test above leaves to the generic path: GQA group 4 and 16, fp32 head_dim 256, page size 1,
+    sliding + inline RoPE, and the double-buffered variant; nvcc must accept it for sm_80/sm_90."""
+    from tvmkv.build import compile_funcs
+    from tvmkv.tir.decode_cuda import decode_layout, make_paged_decode_cuda
+
+    specs = [
+        KernelSpec(32, 8, 128, 16, "float16", "cuda"),
+        KernelSpec(32, 2, 128, 1, "bfloat16", "cuda"),
+        KernelSpec(2, 1, 256, 64, "float32", "cuda"),
+    ]
+    funcs = {}
+    for k, spec in enumerate(specs):
+        assert decode_layout(spec) is not None
+        funcs[f"decode_{k}"] = make_paged_decode_cuda(spec, sliding=k > 0, inline_rope=k == 1)
+    funcs["decode_db"] = make_paged_decode_cuda(specs[0], double_buffer=True, unroll=2)
+    src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
+    (tmp_path / "dec.cu").write_text(src)
+    for arch in ("sm_80", "sm_90"):
+        cmd = [
+            "nvcc",
+            f"-arch={arch}",
+            "--cubin",
+            "-diag-suppress=1046,177,550",
+            "-o",
+            str(tmp_path / "d.cubin"),
+            str(tmp_path / "dec.cu"),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -246,13 +246,14 @@ def test_torch_and_tvm_arrays_and_out(target):
     qkv = rng.uniform(-1, 1, (5, cfg.qkv_heads, cfg.head_dim)).astype(np.float32)
     want = ref_cache.attention_with_fused_qkv(0, qkv)
     # torch in -> torch out; an unaligned view is accepted (copied), `out` written in place
-    base = torch.zeros(qkv.size + 1, dtype=torch.float32)
+    dev = "cpu" if target == "llvm" else "cuda"
+    base = torch.zeros(qkv.size + 1, dtype=torch.float32, device=dev)
     unaligned = base[1:].view(qkv.shape)
     unaligned.copy_(torch.from_numpy(qkv))
-    out = torch.zeros((5, cfg.num_qo_heads, cfg.head_dim), dtype=torch.float32)
+    out = torch.zeros((5, cfg.num_qo_heads, cfg.head_dim), dtype=torch.float32, device=dev)
     got = cache.attention_with_fused_qkv(0, unaligned, out=out)
     assert got is out
-    np.testing.assert_allclose(out.numpy(), want, atol=1e-6)
+    np.testing.assert_allclose(out.cpu().numpy(), want, atol=1e-6)
     got_tvm = cache.attention_with_fused_qkv(1, tvm.runtime.tensor(qkv, cache.device))
     assert isinstance(got_tvm, tvm.runtime.Tensor)
     np.testing.assert_allclose(got_tvm.numpy(), want, atol=1e-6)
@@ -344,3 +345,12 @@ def test_nan_stays_in_its_sequence(target):
     np.testing.assert_array_equal(k, clean_k)
     np.testing.assert_array_equal(v, clean_v)
     assert np.isfinite(cache.debug_get_kv(1)[0]).all()
+    # decode step (the decode kernel): Inf in sequence 0's token, sequence 1 stays clean
+    cache.begin_forward([0, 1], [1, 1])
+    qkv = rng.uniform(-1, 1, (2, cfg.qkv_heads, cfg.head_dim)).astype(np.float32)
+    qkv[0, :, 5] = np.inf
+    for layer in range(cfg.num_layers):
+        o = cache.attention_with_fused_qkv(layer, qkv)
+        assert not np.isfinite(o[0]).all() and np.isfinite(o[1]).all()
+    cache.end_forward()
+    assert all(np.isfinite(x).all() for x in cache.debug_get_kv(1))

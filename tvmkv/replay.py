@@ -128,6 +128,14 @@ SCENARIOS = {
 NEEDS_SLIDING = {"sliding"}
 
 
+# stored K/V vs the model: K may be rotated in fp32 (cache) vs fp64 (model), one rounding apart
+STORED_TOL = {
+    "float32": dict(atol=1e-5, rtol=1e-5),
+    "float16": dict(atol=2e-3, rtol=2e-3),
+    "bfloat16": dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
 @dataclass
 class StepRow:
     step: int
@@ -261,11 +269,7 @@ class Replayer:
             breaks = np.nonzero(np.diff(pos) != 1)[0] + 1
             for run in np.split(np.arange(len(pos)), breaks):
                 k, v = self.cache.debug_get_kv(sid, int(pos[run[0]]), int(pos[run[-1]]) + 1)
-                tol = (
-                    dict(atol=1e-5, rtol=1e-5)
-                    if self.cache.config.dtype == "float32"
-                    else dict(atol=2e-3, rtol=2e-3)
-                )
+                tol = STORED_TOL[self.cache.config.dtype]
                 np.testing.assert_allclose(
                     np.asarray(k, np.float64), k_ref[:, run], **tol, err_msg=f"stored K of sequence {sid}"
                 )

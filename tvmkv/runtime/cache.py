@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
 from ..config import CacheConfig
 from ..errors import ForwardStateError, IntegrityError, OutOfPagesError
 from . import tensors
+from .index_buffer import IndexBuffers, align
 
 
 @dataclass
@@ -35,6 +37,11 @@ class _Sequence:
     sink: int = 0
     tree_parent: list = field(default_factory=list)  # uncommitted nodes: parent index or -1
     tree_depth: list = field(default_factory=list)
+    mirror: _PageMirror = field(default=None, compare=False, repr=False)  # int32 copy of `pages`
+
+    def __post_init__(self):
+        if self.mirror is None:
+            self.mirror = _PageMirror()
 
     @property
     def tree_start(self) -> int:
@@ -57,17 +64,95 @@ class _Sequence:
         return self.committed_length + len(self.tree_parent)
 
 
+class _PageMirror:
+    """An int32 NumPy copy of one sequence's page list, so ``begin_forward`` builds ``page_indices``
+    with one ``np.concatenate`` instead of a Python loop over every page id.
+
+    ``view`` is ``buf[:n]``; ``last`` its last page (-1 when empty); ``pos`` the sequence's
+    ``pos_offset`` when last synced. ``begin_forward`` keeps it in step with the pages it appends or
+    copies on write. Every other change of a page list is detected from what it does to the counts:
+    a truncation (``pop_n``, token-tree commits) removes a suffix, so ``ceil(kv_len / P) < n`` and the
+    prefix stays valid; a sliding window that frees pages raises ``pos_offset``; anything else
+    (``ceil(kv_len / P) > n``, a fresh sequence with ``n == -1``) rebuilds from the list.
+    """
+
+    __slots__ = ("buf", "n", "view", "last", "pos")
+
+    def __init__(self):
+        self.buf = np.zeros(0, np.int32)
+        self.n, self.view, self.last, self.pos = -1, self.buf, -1, 0
+
+    def rebuild(self, pages: list, pos: int) -> None:
+        self.buf = np.zeros(max(16, 2 * len(pages)), np.int32)
+        self.buf[: len(pages)] = pages
+        self.pos = pos
+        self._set(len(pages))
+
+    def _set(self, n: int) -> None:
+        self.n, self.view = n, self.buf[:n]
+        self.last = int(self.buf[n - 1]) if n else -1
+
+    def truncate(self, n: int) -> None:
+        self._set(n)
+
+    def extend(self, pages: list) -> None:
+        n = self.n + len(pages)
+        if n > len(self.buf):
+            buf = np.zeros(2 * n, np.int32)
+            buf[: self.n] = self.view
+            self.buf = buf
+        self.buf[self.n : n] = pages
+        self._set(n)
+
+    def replace_last(self, page: int) -> None:
+        self.buf[self.n - 1] = page
+        self.last = page
+
+
+_KV_LEN = attrgetter("kv_len")
+_WINDOW = attrgetter("window")
+_TREE = attrgetter("tree_parent")
+_MIRROR_N = attrgetter("mirror.n")
+_MIRROR_LAST = attrgetter("mirror.last")
+_MIRROR_VIEW = attrgetter("mirror.view")
+
+# Index arrays of a forward in the order they are packed into the upload buffer (docs/layout.md).
+# page_indices comes last: its length changes from step to step, the others' offsets depend only on
+# (B, n, tree nodes), so their device views are reused across steps of the same shape.
+_PACKED = ("q_indptr", "q_pos", "slots", "page_indptr", "last_page_len", "kv_window", "q_tree",
+           "kv_tree_indptr", "kv_tree", "kv_tree_start")
+
+
+def _layout(B: int, total: int, m: int) -> tuple:
+    """``({name: (offset, shape)}, end)`` of the packed arrays before ``page_indices`` (at ``end``)."""
+    n = total
+    shapes = ((B + 1,), (n,), (n,), (B + 1,), (B,), (B, 3), (max(n, 1), 2), (B + 1,), (m, 3), (B,))
+    out, at = {}, 0
+    for name, shape in zip(_PACKED, shapes):
+        out[name] = (at, shape)
+        at += align(math.prod(shape))
+    return out, at
+
+
 @dataclass
 class _Forward:
-    """Everything ``begin_forward`` planned for one step (host arrays and their device copies)."""
+    """Everything ``begin_forward`` planned for one step: the device views of the packed index buffer
+    (``dev``), the scratch views (``scratch``) and the kernel calls of one layer, bound once so that
+    ``_run_layer`` does no work that grows with the batch."""
 
     seq_ids: list
     lengths: list
     total: int
     kernel: str  # paged_decode | paged_prefill_causal | paged_prefill_tree | ragged_prefill_causal
     slides: list  # sequences whose window slides at end_forward
-    dev: dict  # name -> device tensor
-    scratch: dict  # q, k, v, lse device buffers
+    dev: dict  # name -> device tensor (a view of one slot of the packed index buffer)
+    scratch: dict  # q, k, v, lse device buffers (views of buffers allocated once)
+    split: tuple = ()  # split_rope's arguments after qkv
+    append: tuple = ()  # append's arguments after pages
+    attn_head: tuple = ()  # attention arguments before pages (all before o when not paged)
+    attn_tail: tuple = ()  # attention arguments after pages, before o
+    attn_end: tuple = ()  # lse (after o, before sm_scale); rope (after sm_scale)
+    paged: bool = True
 
 
 def _as_int(value, name: str) -> int:
@@ -206,6 +291,7 @@ class PagedAttentionKVCache:
         self._free = list(range(cfg.total_pages - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict = {}
         self._fwd: _Forward | None = None
+        self._init_host_path()
 
     # ------------------------------------------------------------------ queries
     def num_available_pages(self) -> int:
@@ -342,8 +428,17 @@ class PagedAttentionKVCache:
         cfg = self.config
         if self._fwd is not None:
             raise ForwardStateError("begin_forward called while a forward is open; call end_forward first")
-        seq_ids = [self._known_id(s) for s in seq_ids]
-        lengths = [_as_int(n, "append_lengths[i]") for n in append_lengths]
+        # Validation does O(1) Python-level passes over the batch (C-level map/set/min); the per-item
+        # loops that build error messages run only once something is wrong.
+        seq_ids = list(seq_ids)
+        try:
+            seqs = [self._seqs[s] for s in seq_ids]
+        except (KeyError, TypeError):
+            seq_ids = [self._known_id(s) for s in seq_ids]  # raises the KeyError that names the id
+            raise
+        lengths = list(append_lengths)
+        if set(map(type, lengths)) - {int}:
+            lengths = [_as_int(n, "append_lengths[i]") for n in lengths]
         if not seq_ids:
             raise ValueError("begin_forward needs at least one sequence")
         if len(lengths) != len(seq_ids):
@@ -351,9 +446,10 @@ class PagedAttentionKVCache:
         if len(set(seq_ids)) != len(seq_ids):
             dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
             raise ValueError(f"seq_id {dup} appears twice in one forward; merge its tokens into one entry")
-        for s, n in zip(seq_ids, lengths):
-            if n <= 0:
-                raise ValueError(f"append length {n} of sequence {s} must be positive")
+        if min(lengths) <= 0:
+            for s, n in zip(seq_ids, lengths):
+                if n <= 0:
+                    raise ValueError(f"append length {n} of sequence {s} must be positive")
         if len(seq_ids) > cfg.max_batch_size:
             raise ValueError(f"batch of {len(seq_ids)} sequences exceeds max_batch_size={cfg.max_batch_size}")
         total = sum(lengths)
@@ -361,10 +457,9 @@ class PagedAttentionKVCache:
             raise ValueError(
                 f"{total} new tokens exceed prefill_chunk_size={cfg.prefill_chunk_size}; split the forward into chunks"
             )
-        seqs = [self._seqs[s] for s in seq_ids]
         tree = token_tree_parent_ptr is not None
         parents = self._check_tree(seq_ids, seqs, lengths, token_tree_parent_ptr) if tree else None
-        if not tree:
+        if not tree and any(map(_TREE, seqs)):
             for s, seq in zip(seq_ids, seqs):
                 if seq.tree_parent:
                     raise ValueError(
@@ -372,41 +467,51 @@ class PagedAttentionKVCache:
                         "(commit_accepted_token_tree_nodes) or pass token_tree_parent_ptr"
                     )
         P = cfg.page_size
-        needed = 0
-        for seq, n in zip(seqs, lengths):
-            cow = seq.kv_len % P != 0 and self._ref[seq.pages[-1]] > 1
-            needed += -(-(seq.kv_len + n) // P) - len(seq.pages) + int(cow)
+        B = len(seqs)
+        history = np.fromiter(map(_KV_LEN, seqs), np.int64, B)
+        lens = np.array(lengths, np.int64)
+        have = -(-history // P)  # pages held now (== len(seq.pages), an invariant check_integrity checks)
+        want = -(-(history + lens) // P)
+        windowed = np.flatnonzero(np.fromiter(map(_WINDOW, seqs), np.int64, B))
+        self._sync_mirrors(seqs, have, windowed)
+        partial = np.flatnonzero(history % P)
+        cow = partial[self._ref[np.fromiter(map(_MIRROR_LAST, seqs), np.int64, B)[partial]] > 1]
+        grow = want - have
+        needed = int(grow.sum()) + len(cow)
         if needed > len(self._free):
             raise OutOfPagesError(needed, len(self._free))
         # ---- validated: from here on nothing raises for a reason the caller controls
-        history = [seq.kv_len for seq in seqs]
-        for seq, n in zip(seqs, lengths):
-            if seq.kv_len % P and self._ref[seq.pages[-1]] > 1:  # copy-on-write of a shared partial page
+        cow_set = set(cow.tolist())
+        changed = sorted(cow_set.union(np.flatnonzero(grow).tolist()))  # batch order, as allocation always was
+        for i, g in zip(changed, grow[changed].tolist()):
+            seq = seqs[i]
+            if i in cow_set:  # copy-on-write of a shared partial page
                 page = self._alloc(1)[0]
                 self._copy_page(seq.pages[-1], page, seq.kv_len % P)
                 self._release([seq.pages[-1]])
                 seq.pages[-1] = page
-            grow = -(-(seq.kv_len + n) // P) - len(seq.pages)
-            seq.pages.extend(self._alloc(grow))
-        host = self._plan_arrays(seqs, lengths, history, parents)
-        for seq, n, i in zip(seqs, lengths, range(len(seqs))):
-            seq.kv_len += n
-            if tree:
-                seq.tree_parent.extend(parents[i][0])
-                seq.tree_depth.extend(parents[i][1])
+                seq.mirror.replace_last(page)
+            if g:
+                new = self._alloc(g)
+                seq.pages.extend(new)
+                seq.mirror.extend(new)
+        plan = self._plan_arrays(seqs, lens, history, want, windowed, parents)
+        for seq, n in zip(seqs, (history + lens).tolist()):
+            seq.kv_len = n
+        if tree:
+            for seq, (p, d) in zip(seqs, parents):
+                seq.tree_parent.extend(p)
+                seq.tree_depth.extend(d)
         if tree:
             kernel = "paged_prefill_tree"
-        elif all(n == 1 for n in lengths):
+        elif total == B:
             kernel = "paged_decode"
-        elif all(h == 0 for h in history):
+        elif not history.any():
             kernel = "ragged_prefill_causal"
         else:
             kernel = "paged_prefill_causal"
-        self._fwd = _Forward(
-            seq_ids=seq_ids, lengths=lengths, total=total, kernel=kernel,
-            slides=[seq for seq in seqs if seq.window],
-            dev=self._upload(host), scratch=self._scratch(total),
-        )
+        self._fwd = self._bind(seq_ids, lengths, total, kernel, [seqs[i] for i in windowed.tolist()],
+                               dev=self._upload(plan), scratch=self._scratch(total))
 
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Append this layer's new K/V and compute attention for the tokens of the open forward.
@@ -669,65 +774,148 @@ class PagedAttentionKVCache:
             at += n
         return out
 
-    def _plan_arrays(self, seqs, lengths, history, parents) -> dict:
-        """Host index arrays of one forward (docs/layout.md); called after pages were reserved."""
-        P = self.config.page_size
-        B, total = len(seqs), sum(lengths)
-        q_indptr = np.zeros(B + 1, np.int32)
-        q_indptr[1:] = np.cumsum(lengths)
-        page_indptr = np.zeros(B + 1, np.int32)
-        page_indptr[1:] = np.cumsum([len(s.pages) for s in seqs])
-        page_indices = np.asarray([p for s in seqs for p in s.pages] or [0], np.int32)
-        last_page_len = np.zeros(B, np.int32)
-        kv_window = np.zeros((B, 3), np.int32)
-        q_pos = np.zeros(total, np.int32)
-        slots = np.zeros(total, np.int32)
-        tree = parents is not None
-        q_tree = np.zeros((max(total, 1), 2), np.int32)
-        kv_tree_indptr = np.zeros(B + 1, np.int32)
-        kv_tree_rows, kv_tree_start = [], np.zeros(B, np.int32)
-        for b, (seq, n, h) in enumerate(zip(seqs, lengths, history)):
-            end = h + n
-            last_page_len[b] = end - (len(seq.pages) - 1) * P if seq.pages else 0
-            if seq.window:
-                kv_window[b] = (seq.sink_end, seq.window_start, seq.pos_offset)
-            new = np.arange(h, end)
-            pages = np.asarray(seq.pages, np.int64)
-            slots[q_indptr[b]:q_indptr[b + 1]] = pages[new // P] * P + new % P
-            if not tree:
-                q_pos[q_indptr[b]:q_indptr[b + 1]] = np.where(new < seq.sink_end, new, new + seq.pos_offset)
-                continue
-            all_parents = seq.tree_parent + parents[b][0]
-            all_depths = np.asarray(seq.tree_depth + parents[b][1], np.int32)
-            enter, exit_ = _dfs_intervals(all_parents)
-            old = len(seq.tree_parent)
-            committed = seq.committed_length
-            q_tree[q_indptr[b]:q_indptr[b + 1]] = np.stack([enter[old:], exit_[old:]], axis=1)
-            q_pos[q_indptr[b]:q_indptr[b + 1]] = committed + all_depths[old:]
-            kv_tree_rows.append(np.stack([enter, exit_, committed + all_depths], axis=1))
-            kv_tree_indptr[b + 1] = kv_tree_indptr[b] + len(all_parents)
-            kv_tree_start[b] = h - old
-        kv_tree = np.concatenate(kv_tree_rows).astype(np.int32) if tree else np.zeros((1, 3), np.int32)
-        return dict(q_indptr=q_indptr, q_pos=q_pos, slots=slots, page_indptr=page_indptr,
-                    page_indices=page_indices, last_page_len=last_page_len, kv_window=kv_window,
-                    q_tree=q_tree, kv_tree_indptr=kv_tree_indptr, kv_tree=kv_tree, kv_tree_start=kv_tree_start)
-
-    def _upload(self, host: dict) -> dict:
-        import tvm
-
-        return {name: tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for name, a in host.items()}
-
-    def _scratch(self, total: int) -> dict:
+    def _init_host_path(self) -> None:
+        """Buffers of the per-step host path, allocated once: the packed index buffer (host + device
+        ring, sized for a full batch over ``max_total_seq_len`` tokens; it grows when a step needs more)
+        and the q/k/v/lse scratch for ``prefill_chunk_size`` rows."""
         import tvm
 
         cfg = self.config
+        B, n = cfg.max_batch_size, cfg.prefill_chunk_size
+        room = _layout(B, n, 1)[1] + -(-cfg.max_total_seq_len // cfg.page_size) + B
+        self._index = IndexBuffers(self.device, room)
         empty = tvm.runtime.empty
-        return dict(
-            q=empty((total, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, self.device),
-            k=empty((total, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, self.device),
-            v=empty((total, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, self.device),
-            lse=empty((total, cfg.num_qo_heads), "float32", self.device),
+        self._scratch_bufs = dict(
+            q=empty((n, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, self.device),
+            k=empty((n, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, self.device),
+            v=empty((n, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, self.device),
+            lse=empty((n, cfg.num_qo_heads), "float32", self.device),
         )
+        self._scratch_views: dict = {}
+
+    def _sync_mirrors(self, seqs, have, windowed) -> None:
+        """Bring every ``seq.mirror`` in line with ``seq.pages`` (see :class:`_PageMirror`)."""
+        stale = np.flatnonzero(np.fromiter(map(_MIRROR_N, seqs), np.int64, len(seqs)) != have).tolist()
+        stale += [i for i in windowed.tolist() if seqs[i].mirror.pos != seqs[i].pos_offset]
+        for i in stale:
+            seq, m = seqs[i], seqs[i].mirror
+            if m.pos == seq.pos_offset and 0 <= len(seq.pages) <= m.n:
+                m.truncate(len(seq.pages))  # a suffix was dropped: the prefix is still right
+            else:
+                m.rebuild(seq.pages, seq.pos_offset)
+
+    def _plan_arrays(self, seqs, lens, history, npages, windowed, parents) -> tuple:
+        """Write the index arrays of one forward (docs/layout.md) into the packed host buffer.
+
+        Called after pages were reserved and mirrored; ``lens``, ``history`` (slots before this
+        forward) and ``npages`` (pages after it) are int64 ``[B]``. Vectorized over tokens and pages;
+        Python loops only over windowed sequences and, in a tree forward, over its sequences.
+        Returns ``(slot, layout, page_indices offset, nnz)`` for :meth:`_upload`.
+        """
+        P = self.config.page_size
+        B, total = len(seqs), int(lens.sum())
+        tree = parents is not None
+        tree_rows = [len(seq.tree_parent) + len(p) for seq, (p, _) in zip(seqs, parents)] if tree else []
+        m = max(sum(tree_rows), 1)
+        layout, pi_off = _layout(B, total, m)
+        nnz = int(npages.sum())
+        slot = self._index.next_slot(pi_off + max(nnz, 1))
+        host = self._index.host
+
+        def arr(name):
+            off, shape = layout[name]
+            return host[off : off + math.prod(shape)].reshape(shape)
+
+        q_indptr, page_indptr = arr("q_indptr"), arr("page_indptr")
+        q_indptr[0] = page_indptr[0] = 0
+        np.cumsum(lens, out=q_indptr[1:])
+        np.cumsum(npages, out=page_indptr[1:])
+        page_indices = host[pi_off : pi_off + max(nnz, 1)]
+        if nnz:
+            np.concatenate(list(map(_MIRROR_VIEW, seqs)), out=page_indices)
+        else:
+            page_indices[0] = 0
+        end = history + lens
+        arr("last_page_len")[:] = np.where(npages > 0, end - (npages - 1) * P, 0)
+        kv_window = arr("kv_window")
+        kv_window[:] = 0
+        # token t of sequence b sits at slot history[b] + (t - q_indptr[b]) of that sequence
+        if total == B:
+            seq_of, pos = slice(None), history
+        else:
+            seq_of = np.repeat(np.arange(B), lens)
+            pos = np.arange(total) - np.repeat(q_indptr[:-1] - history, lens)
+        arr("slots")[:] = page_indices[page_indptr[:-1][seq_of] + pos // P] * P + pos % P
+        q_pos = arr("q_pos")
+        q_pos[:] = pos
+        for b in windowed.tolist():
+            seq = seqs[b]
+            kv_window[b] = (seq.sink_end, seq.window_start, seq.pos_offset)
+            lo, hi = q_indptr[b], q_indptr[b + 1]
+            q_pos[lo:hi] = np.where(q_pos[lo:hi] < seq.sink_end, q_pos[lo:hi], q_pos[lo:hi] + seq.pos_offset)
+        q_tree, kv_tree_indptr, kv_tree, kv_tree_start = (arr(n) for n in _PACKED[6:])
+        q_tree[:] = 0
+        kv_tree_indptr[:] = 0
+        kv_tree[:] = 0
+        kv_tree_start[:] = 0
+        if tree:
+            at = 0
+            for b, (seq, (new_parents, new_depths)) in enumerate(zip(seqs, parents)):
+                all_parents = seq.tree_parent + new_parents
+                all_depths = np.asarray(seq.tree_depth + new_depths, np.int32)
+                enter, exit_ = _dfs_intervals(all_parents)
+                old = len(seq.tree_parent)
+                committed = seq.committed_length
+                lo, hi = q_indptr[b], q_indptr[b + 1]
+                q_tree[lo:hi, 0], q_tree[lo:hi, 1] = enter[old:], exit_[old:]
+                q_pos[lo:hi] = committed + all_depths[old:]
+                rows = len(all_parents)
+                kv_tree[at : at + rows] = np.stack([enter, exit_, committed + all_depths], axis=1)
+                at += rows
+                kv_tree_indptr[b + 1] = at
+                kv_tree_start[b] = history[b] - old
+        return slot, layout, pi_off, pi_off + max(nnz, 1)
+
+    def _upload(self, plan) -> dict:
+        """Copy the packed buffer to the device in one copy; device views of every array (views are
+        cached per slot and shape, so a decode step of an unchanged batch size creates none)."""
+        slot, layout, pi_off, used = plan
+        ib = self._index
+        ib.upload(slot, used)
+        dev = {name: ib.view(slot, off, shape) for name, (off, shape) in layout.items()}
+        dev["page_indices"] = ib.tail(slot, pi_off)  # longer than nnz: kernels index it via page_indptr
+        return dev
+
+    def _scratch(self, total: int) -> dict:
+        """Views ``[total, ...]`` of the q/k/v/lse scratch buffers allocated once for
+        ``prefill_chunk_size`` rows (kernels on one stream run in order, so forwards may share them)."""
+        views = self._scratch_views.get(total)
+        if views is None:
+            if len(self._scratch_views) > 256:
+                self._scratch_views.clear()
+            views = self._scratch_views[total] = {
+                name: buf._create_view((total, *buf.shape[1:])) for name, buf in self._scratch_bufs.items()
+            }
+        return views
+
+    def _bind(self, seq_ids, lengths, total, kernel, slides, *, dev, scratch) -> _Forward:
+        """The :class:`_Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
+        cfg, d, s = self.config, dev, scratch
+        rope = (cfg.rope_scale, cfg.rope_theta)
+        fwd = _Forward(seq_ids=seq_ids, lengths=lengths, total=total, kernel=kernel, slides=slides, dev=dev,
+                       scratch=scratch, split=(d["q_pos"], s["q"], s["k"], s["v"], *rope),
+                       append=(s["k"], s["v"], d["slots"]), attn_end=(s["lse"], *rope))
+        if kernel == "paged_decode":
+            fwd.attn_head = (s["q"], d["q_pos"])
+            fwd.attn_tail = (d["page_indptr"], d["page_indices"], d["last_page_len"], d["kv_window"])
+        elif kernel == "ragged_prefill_causal":
+            fwd.paged = False
+            fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])
+        else:
+            fwd.attn_head = (s["q"], d["q_indptr"], d["q_pos"])
+            fwd.attn_tail = (d["page_indptr"], d["page_indices"], d["last_page_len"], d["kv_window"],
+                             d["q_tree"], d["kv_tree_indptr"], d["kv_tree"], d["kv_tree_start"])
+        return fwd
 
     def _check_array(self, x, name: str, shape: tuple) -> str:
         kind = tensors.array_kind(x)
@@ -757,22 +945,16 @@ class PagedAttentionKVCache:
         return tvm.runtime.empty((total, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, self.device)
 
     def _run_layer(self, layer: int, qkv, o, sm_scale: float) -> None:
-        cfg, fwd, kern = self.config, self._fwd, self._kernels
-        d, s = fwd.dev, fwd.scratch
+        """Launch one layer's kernels with the arguments :meth:`_bind` prepared (O(1) Python work)."""
+        fwd, kern = self._fwd, self._kernels
         pages = self.pages[layer]
-        kern["split_rope"](qkv, d["q_pos"], s["q"], s["k"], s["v"], cfg.rope_scale, cfg.rope_theta)
-        kern["append"](pages, s["k"], s["v"], d["slots"])
-        rope = (cfg.rope_scale, cfg.rope_theta)
-        if fwd.kernel == "paged_decode":
-            kern["paged_decode"](s["q"], d["q_pos"], pages, d["page_indptr"], d["page_indices"],
-                                 d["last_page_len"], d["kv_window"], o, s["lse"], sm_scale, *rope)
-        elif fwd.kernel == "ragged_prefill_causal":
-            kern["ragged_prefill_causal"](s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"], o,
-                                          s["lse"], sm_scale, *rope)
+        kern["split_rope"](qkv, *fwd.split)
+        kern["append"](pages, *fwd.append)
+        lse, rope_scale, rope_theta = fwd.attn_end
+        if fwd.paged:
+            kern[fwd.kernel](*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
         else:
-            kern[fwd.kernel](s["q"], d["q_indptr"], d["q_pos"], pages, d["page_indptr"], d["page_indices"],
-                             d["last_page_len"], d["kv_window"], d["q_tree"], d["kv_tree_indptr"], d["kv_tree"],
-                             d["kv_tree_start"], o, s["lse"], sm_scale, *rope)
+            kern[fwd.kernel](*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
 
 
 def _parse_target(target):

@@ -29,7 +29,10 @@ from .spec import KernelSpec
 
 LOG2E = math.log2(math.e)
 CPU_TILE = 32  # keys scored per tile on the CPU (a tile size, unrelated to the page size)
-CPU_VEC = 16  # vector lanes of the q.k partial sums (the tree reduction below assumes 16)
+CPU_VEC = 8  # vector lanes of the q.k partial sums (the tree reduction below assumes 8)
+CPU_ROWS = 16  # query vectors (rows x group heads) that share each K/V tile in prefill
+# 2^f on [0, 1), degree 5, fitted for relative error (< 2e-7)
+EXP2_POLY = (0.99999994, 0.69315296, 0.24015455, 0.05582358, 0.008992595, 0.0018762343)
 WARP = 32
 
 
@@ -44,6 +47,10 @@ class _OpenMacro(TIRMacro):
             for name, value in self.closure_vars.items():
                 parser.var_table.add(name, value)
             return super().__call__(*args, **kwargs)
+
+
+def _add(a, b):
+    return a + b
 
 
 def _macro(func):
@@ -88,6 +95,12 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
     cpu = spec.is_cpu
     C = CPU_TILE
     VL = CPU_VEC
+    RB = 1 if decode else max(1, CPU_ROWS // group)  # query rows per CPU work item
+    M = RB * group
+    MR = max(x for x in (4, 2, 1) if M % x == 0)  # query vectors per register block
+    CR = 8 // MR  # keys per register block of the q.k partial sums
+    DC = max(x for x in (16, 32, 64) if D % x == 0)  # head-dim lanes of one P V expression
+    PV_CHAINS = 64 // DC  # its partial sums over the keys: 8 vector accumulators in all
     ND = (D + WARP - 1) // WARP  # head-dim elements per lane on cuda
     GB = max(x for x in range(1, min(group, 8) + 1) if group % x == 0)  # query heads (warps) per block
     neg_inf = float("-inf")
@@ -196,119 +209,282 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         return rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * d) / T.float32(D))
 
     # ---------------------------------------------------------------- llvm schedule
+    def exp2_neg(x):
+        # 2^x for x <= 0 in fp32 (-inf -> 0): 2^floor(x) from the exponent bits times a degree-5
+        # polynomial of the fraction (relative error < 2e-7); unlike T.exp2 (a libm call per
+        # element) it vectorizes
+        xc = T.max(x, T.float32(-126.0))
+        f = xc - T.floor(xc)
+        p = T.float32(EXP2_POLY[5])
+        for coef in EXP2_POLY[4::-1]:
+            p = p * f + T.float32(coef)
+        scale = T.reinterpret("float32", T.shift_left(T.Cast("int32", T.floor(xc)) + 127, 23))
+        return T.if_then_else(x == T.float32(neg_inf), T.float32(0), p * scale)
+
+    def tree_reduce(terms, op):
+        # op over ``terms`` as a balanced tree (independent operations, unlike a serial loop)
+        while len(terms) > 1:
+            terms = [op(terms[k], terms[k + 1]) if k + 1 < len(terms) else terms[k] for k in range(0, len(terms), 2)]
+        return terms[0]
+
+    def chains(terms, n):
+        # sum of ``terms`` as n interleaved partial sums (independent FMA chains), then a tree
+        parts = [None] * n
+        for k, t in enumerate(terms):
+            parts[k % n] = t if parts[k % n] is None else parts[k % n] + t
+        return tree_reduce([x for x in parts if x is not None], _add)
+
+    def dot_lanes(Q, Kt, mq, c, l):
+        # lane l of the VL-lane partial sums of Q[mq] . Kt[c]: sum over d0 of Q[mq, d0 VL + l] Kt[c, ...]
+        return chains([Q[mq, d0 * VL + l] * Kt[c, d0 * VL + l] for d0 in range(D // VL)], 4)
+
+    def pv_lanes(O, S, Vt, mq, d):
+        # O[mq, d] + sum over the tile's keys c of S[mq, c] Vt[c, d]
+        return O[mq, d] + chains([S[mq, c] * Vt[c, d] for c in range(C)], PV_CHAINS)
+
     @_macro
-    def cpu_body(i, hk):
+    def cpu_rows(r0, r1):
+        # per-sequence key range and per-row mask data of rows r0 .. r1 - 1 (one sequence, seq[0]);
+        # sq = [kv_len (or rows), first key row / page entry, sink_end, window_start, window offset,
+        #       tree start, tree node base, end of the key scan]; qm[r] = the row's causal bound
+        b = T.meta_var(seq[0])
+        if paged:
+            sq[1] = page_indptr[b]
+            if page_indptr[b + 1] > page_indptr[b]:
+                sq[0] = (page_indptr[b + 1] - page_indptr[b] - 1) * P + last_page_len[b]
+            else:
+                sq[0] = 0
+            if sliding:
+                sq[2] = kv_window[b, 0]
+                sq[3] = kv_window[b, 1]
+                sq[4] = kv_window[b, 2]
+            if tree:
+                sq[5] = kv_tree_start[b]
+                sq[6] = kv_tree_indptr[b]
+        else:
+            sq[1] = q_indptr[b]
+            sq[0] = q_indptr[b + 1] - q_indptr[b]
+        sq[7] = 0
+        for r in T.serial(RB):
+            # rows past r1 repeat row r1 - 1 (computed, never stored)
+            if paged:
+                qm[r] = q_pos[T.min(r0 + r, r1 - 1)]
+            else:
+                qm[r] = T.min(r0 + r, r1 - 1) - sq[1]
+            if tree:
+                qt[r, 0] = q_tree[T.min(r0 + r, r1 - 1), 0]
+                qt[r, 1] = q_tree[T.min(r0 + r, r1 - 1), 1]
+            sq[7] = T.max(sq[7], qm[r])
+        if causal:
+            if paged:
+                if sliding:
+                    # last visible j: j <= q_pos in the sink, j + offset <= q_pos after it
+                    sq[7] = T.min(sq[0], T.max(T.min(sq[2], sq[7] + 1), sq[7] - sq[4] + 1))
+                else:
+                    sq[7] = T.min(sq[0], sq[7] + 1)
+            else:
+                sq[7] = sq[7] + 1
+            sq[7] = T.max(sq[7], 0)
+        else:
+            sq[7] = sq[0]
+
+    @_macro
+    def cpu_keys(t):
+        # keys j = t * C + c of the tile: kok (in range and in the window), kid (slot or row),
+        # kpos (causal position), kt (tree interval, committed keys contain every node); Kt / Vt get
+        # the fp32 key (rotated for inline RoPE) and value rows, zero for keys that are not ok
+        for c in T.serial(C):
+            kok[c] = T.Cast("int32", t * C + c < sq[7])
+            kid[c] = 0
+            kpos[c] = t * C + c
+            if tree:
+                kt[c, 0] = -2147483647
+                kt[c, 1] = 2147483647
+            if kok[c] == 1:
+                if paged:
+                    kid[c] = page_indices[sq[1] + ((t * C + c) >> LOGP)] * P + ((t * C + c) & PMASK)
+                    if sliding:
+                        if t * C + c >= sq[2]:
+                            kpos[c] = t * C + c + sq[4]
+                            if t * C + c < sq[3]:
+                                kok[c] = 0
+                    if tree:
+                        if t * C + c >= sq[5]:
+                            kt[c, 0] = kv_tree[sq[6] + t * C + c - sq[5], 0]
+                            kt[c, 1] = kv_tree[sq[6] + t * C + c - sq[5], 1]
+                            kpos[c] = kv_tree[sq[6] + t * C + c - sq[5], 2]
+                else:
+                    kid[c] = sq[1] + t * C + c
+                    if tree:
+                        kt[c, 0] = q_tree[sq[1] + t * C + c, 0]
+                        kt[c, 1] = q_tree[sq[1] + t * C + c, 1]
+            if kok[c] == 1:
+                if rope:
+                    # rotation angle: the key's logical position (paged) or its q_pos (ragged)
+                    if paged:
+                        kp[0] = T.Cast("float32", kpos[c])
+                    else:
+                        kp[0] = T.Cast("float32", q_pos[kid[c]])
+                    for d in T.serial(HALF):
+                        Kt[c, d] = k_at(K_src, kid[c], hk, d) * T.cos(kp[0] * fr[d]) - k_at(
+                            K_src, kid[c], hk, d + HALF
+                        ) * T.sin(kp[0] * fr[d])
+                        Kt[c, d + HALF] = k_at(K_src, kid[c], hk, d + HALF) * T.cos(kp[0] * fr[d]) + k_at(
+                            K_src, kid[c], hk, d
+                        ) * T.sin(kp[0] * fr[d])
+                else:
+                    for d in T.vectorized(D):
+                        Kt[c, d] = k_at(K_src, kid[c], hk, d)
+                for d in T.vectorized(D):
+                    Vt[c, d] = v_at(V_src, kid[c], hk, d)
+            else:
+                for d in T.vectorized(D):
+                    Kt[c, d] = T.float32(0)
+                    Vt[c, d] = T.float32(0)
+
+    @_macro
+    def cpu_block(r0, r1, hk):
+        # rows r0 .. r1 - 1 (at most RB, one sequence) x the group query heads of kv head hk:
+        # M = RB * group query vectors (row r, head g at m = r * group + g) share every K/V tile
+        cpu_rows(r0, r1)
+        for r in T.serial(RB):
+            for g in T.serial(group):
+                m[r * group + g] = T.float32(neg_inf)
+                d_sum[r * group + g] = T.float32(0)
+                for d in T.vectorized(D):
+                    O[r * group + g, d] = T.float32(0)
+                if rope:
+                    kp[0] = T.Cast("float32", q_pos[T.min(r0 + r, r1 - 1)])
+                    for d in T.serial(HALF):
+                        Q[r * group + g, d] = (
+                            T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d])
+                            * T.cos(kp[0] * fr[d])
+                            - T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d + HALF])
+                            * T.sin(kp[0] * fr[d])
+                        ) * (sm_scale * T.float32(LOG2E))
+                        Q[r * group + g, d + HALF] = (
+                            T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d + HALF])
+                            * T.cos(kp[0] * fr[d])
+                            + T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d])
+                            * T.sin(kp[0] * fr[d])
+                        ) * (sm_scale * T.float32(LOG2E))
+                else:
+                    for d in T.vectorized(D):
+                        Q[r * group + g, d] = T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * (
+                            sm_scale * T.float32(LOG2E)
+                        )
+        for t in T.serial((sq[7] + C - 1) // C):
+            cpu_keys(t)
+            # S = Q K^T: MR x CR (query, key) pairs at a time, each a VL-lane partial sum over D
+            # written as one expression (dot_lanes), so the sums stay in registers
+            for mb in T.serial(M // MR):
+                for cb in T.serial(C // CR):
+                    for x in T.unroll(MR * CR):
+                        for l in T.vectorized(VL):
+                            acc[x, l] = dot_lanes(Q, Kt, mb * MR + x // CR, cb * CR + x % CR, l)
+                    for x in T.unroll(MR * CR):
+                        for l in T.vectorized(VL // 2):
+                            acc[x, l] = acc[x, l] + acc[x, l + VL // 2]
+                        for l in T.vectorized(VL // 4):
+                            acc[x, l] = acc[x, l] + acc[x, l + VL // 4]
+                        S[mb * MR + x // CR, cb * CR + x % CR] = acc[x, 0] + acc[x, 1]
+            # mask, then online softmax: m, d_sum, O rescaled to the new running max; S becomes P
+            for mm in T.serial(M):
+                for c in T.vectorized(C):
+                    vis[c] = kok[c]
+                    if causal:
+                        vis[c] = vis[c] * T.Cast("int32", kpos[c] <= qm[mm // group])
+                    if tree:
+                        vis[c] = vis[c] * T.Cast(
+                            "int32", kt[c, 0] <= qt[mm // group, 0] and qt[mm // group, 1] <= kt[c, 1]
+                        )
+                    S[mm, c] = T.if_then_else(vis[c] == 1, S[mm, c], T.float32(neg_inf))
+                mx[0] = T.max(m[mm], tree_reduce([S[mm, c] for c in range(C)], T.max))
+                if mx[0] > T.float32(neg_inf):
+                    mx[1] = exp2_neg(m[mm] - mx[0])
+                    m[mm] = mx[0]
+                    for c in T.vectorized(C):
+                        S[mm, c] = exp2_neg(S[mm, c] - mx[0])
+                    d_sum[mm] = d_sum[mm] * mx[1] + tree_reduce([S[mm, c] for c in range(C)], _add)
+                    for d in T.vectorized(D):
+                        O[mm, d] = O[mm, d] * mx[1]
+                else:
+                    for c in T.vectorized(C):
+                        S[mm, c] = T.float32(0)
+            # O += P V: MR query rows x DC head-dim lanes, summed over the tile's keys in one
+            # expression (pv_lanes) per row
+            for mb in T.serial(M // MR):
+                for dc in T.serial(D // DC):
+                    for mi in T.unroll(MR):
+                        for l in T.vectorized(DC):
+                            O[mb * MR + mi, dc * DC + l] = pv_lanes(O, S, Vt, mb * MR + mi, dc * DC + l)
+        for r in T.serial(RB):
+            if r0 + r < r1:
+                for g in T.serial(group):
+                    if d_sum[r * group + g] > T.float32(0):
+                        for d in out_loop(D):
+                            o[r0 + r, hk * group + g, d] = T.Cast(
+                                dtype, O[r * group + g, d] / d_sum[r * group + g]
+                            )
+                        lse[r0 + r, hk * group + g] = m[r * group + g] + T.log2(d_sum[r * group + g])
+                    else:
+                        for d in out_loop(D):
+                            o[r0 + r, hk * group + g, d] = T.Cast(dtype, T.float32(0))
+                        lse[r0 + r, hk * group + g] = T.float32(neg_inf)
+
+    @_macro
+    def cpu_body(N, ib, hk):
+        # work item ib of ceil(N / RB) row blocks; blocks are visited from both ends alternately
+        # (0, last, 1, last - 1, ...) so the static chunks of T.parallel get equal causal work.
+        # A block that spans sequences is processed one sequence at a time.
         seq = T.alloc_buffer((3,), "int32", scope="local")
-        rng = T.alloc_buffer((8,), "int32", scope="local")
-        kinfo = T.alloc_buffer((3,), "int32", scope="local")
-        vis = T.alloc_buffer((C,), "int32", scope="local")  # visible key of tile slot c
+        sq = T.alloc_buffer((8,), "int32", scope="local")
+        rows = T.alloc_buffer((3,), "int32", scope="local")  # current r0, r1, block end
+        qm = T.alloc_buffer((RB,), "int32", scope="local")
+        qt = T.alloc_buffer((RB, 2), "int32", scope="local")
+        kok = T.alloc_buffer((C,), "int32", scope="local")
         kid = T.alloc_buffer((C,), "int32", scope="local")
-        S = T.alloc_buffer((group, C), "float32", scope="local")  # scores, then probabilities
-        Q = T.alloc_buffer((group, D), "float32", scope="local")  # q * sm_scale * log2(e)
-        O = T.alloc_buffer((group, D), "float32", scope="local")
-        m = T.alloc_buffer((group,), "float32", scope="local")
-        d_sum = T.alloc_buffer((group,), "float32", scope="local")
-        mx = T.alloc_buffer((1,), "float32", scope="local")
-        kf = T.alloc_buffer((D,), "float32", scope="local")
-        part = T.alloc_buffer((VL,), "float32", scope="local")
+        kpos = T.alloc_buffer((C,), "int32", scope="local")
+        kt = T.alloc_buffer((C, 2), "int32", scope="local")
+        vis = T.alloc_buffer((C,), "int32", scope="local")
+        kp = T.alloc_buffer((1,), "float32", scope="local")
+        Q = T.alloc_buffer((M, D), "float32", scope="local")  # q * sm_scale * log2(e)
+        O = T.alloc_buffer((M, D), "float32", scope="local")
+        Kt = T.alloc_buffer((C, D), "float32", scope="local")
+        Vt = T.alloc_buffer((C, D), "float32", scope="local")
+        S = T.alloc_buffer((M, C), "float32", scope="local")  # scores, then probabilities
+        m = T.alloc_buffer((M,), "float32", scope="local")
+        d_sum = T.alloc_buffer((M,), "float32", scope="local")
+        mx = T.alloc_buffer((2,), "float32", scope="local")  # new max, rescale factor
+        acc = T.alloc_buffer((MR * CR, VL), "float32", scope="local")
         fr = T.alloc_buffer((HALF,), "float32", scope="local")
-        find_sequence(i)
-        key_range(i)
         if rope:
             for d in T.serial(HALF):
                 fr[d] = freq(rope_scale, rope_theta, d)
-        for g in T.serial(group):
-            m[g] = T.float32(neg_inf)
-            d_sum[g] = T.float32(0)
-            for d in T.vectorized(D):
-                O[g, d] = T.float32(0)
-            if rope:
-                for d in T.serial(HALF):
-                    Q[g, d] = (
-                        T.Cast("float32", q[i, hk * group + g, d])
-                        * T.cos(T.Cast("float32", q_pos[i]) * fr[d])
-                        - T.Cast("float32", q[i, hk * group + g, d + HALF])
-                        * T.sin(T.Cast("float32", q_pos[i]) * fr[d])
-                    ) * (sm_scale * T.float32(LOG2E))
-                    Q[g, d + HALF] = (
-                        T.Cast("float32", q[i, hk * group + g, d + HALF])
-                        * T.cos(T.Cast("float32", q_pos[i]) * fr[d])
-                        + T.Cast("float32", q[i, hk * group + g, d])
-                        * T.sin(T.Cast("float32", q_pos[i]) * fr[d])
-                    ) * (sm_scale * T.float32(LOG2E))
+        rows[0] = ib * RB
+        rows[2] = T.min(ib * RB + RB, N)
+        while rows[0] < rows[2]:
+            find_sequence(rows[0])
+            if decode:
+                rows[1] = rows[0] + 1
             else:
-                for d in T.vectorized(D):
-                    Q[g, d] = T.Cast("float32", q[i, hk * group + g, d]) * (sm_scale * T.float32(LOG2E))
-        for t in T.serial((rng[1] + C - 1) // C):
-            # S = Q K^T for the tile's visible keys
-            for c in T.serial(C):
-                vis[c] = 0
-                if t * C + c < rng[1]:
-                    key_info(i, t * C + c)
-                    vis[c] = kinfo[0]
-                    kid[c] = kinfo[1]
-                if vis[c] == 1:
-                    if rope:
-                        for d in T.serial(HALF):
-                            kf[d] = k_at(K_src, kid[c], hk, d) * T.cos(
-                                T.Cast("float32", kinfo[2]) * fr[d]
-                            ) - k_at(K_src, kid[c], hk, d + HALF) * T.sin(T.Cast("float32", kinfo[2]) * fr[d])
-                            kf[d + HALF] = k_at(K_src, kid[c], hk, d + HALF) * T.cos(
-                                T.Cast("float32", kinfo[2]) * fr[d]
-                            ) + k_at(K_src, kid[c], hk, d) * T.sin(T.Cast("float32", kinfo[2]) * fr[d])
-                    else:
-                        for d in T.vectorized(D):
-                            kf[d] = k_at(K_src, kid[c], hk, d)
-                    for g in T.serial(group):
-                        for l in T.vectorized(VL):
-                            part[l] = T.float32(0)
-                        for d0 in T.serial(D // VL):
-                            for l in T.vectorized(VL):
-                                part[l] = part[l] + Q[g, d0 * VL + l] * kf[d0 * VL + l]
-                        # tree reduction of the VL = 16 partial sums
-                        for l in T.vectorized(VL // 2):
-                            part[l] = part[l] + part[l + VL // 2]
-                        for l in T.vectorized(VL // 4):
-                            part[l] = part[l] + part[l + VL // 4]
-                        for l in T.vectorized(VL // 8):
-                            part[l] = part[l] + part[l + VL // 8]
-                        S[g, c] = part[0] + part[1]
-                else:
-                    for g in T.serial(group):
-                        S[g, c] = T.float32(neg_inf)
-            # online softmax: m, d_sum, O rescaled to the new running max; S becomes P
-            for g in T.serial(group):
-                mx[0] = m[g]
-                for c in T.serial(C):
-                    mx[0] = T.max(mx[0], S[g, c])
-                if mx[0] > T.float32(neg_inf):
-                    d_sum[g] = d_sum[g] * T.exp2(m[g] - mx[0])
-                    for d in T.vectorized(D):
-                        O[g, d] = O[g, d] * T.exp2(m[g] - mx[0])
-                    m[g] = mx[0]
-                    for c in T.serial(C):
-                        S[g, c] = T.exp2(S[g, c] - mx[0])
-                        d_sum[g] = d_sum[g] + S[g, c]
-                else:
-                    for c in T.serial(C):
-                        S[g, c] = T.float32(0)
-            # O += P V, each V row loaded once for the whole group
-            for c in T.serial(C):
-                if vis[c] == 1:
-                    for d in T.vectorized(D):
-                        kf[d] = v_at(V_src, kid[c], hk, d)
-                    for g in T.serial(group):
-                        for d in T.vectorized(D):
-                            O[g, d] = O[g, d] + S[g, c] * kf[d]
-        for g in T.serial(group):
-            if d_sum[g] > T.float32(0):
-                for d in out_loop(D):
-                    o[i, hk * group + g, d] = T.Cast(dtype, O[g, d] / d_sum[g])
-                lse[i, hk * group + g] = m[g] + T.log2(d_sum[g])
-            else:
-                for d in out_loop(D):
-                    o[i, hk * group + g, d] = T.Cast(dtype, T.float32(0))
-                lse[i, hk * group + g] = T.float32(neg_inf)
+                rows[1] = T.min(rows[2], q_indptr[seq[0] + 1])
+            cpu_block(rows[0], rows[1], hk)
+            rows[0] = rows[1]
+
+    @_macro
+    def cpu_kernel(N):
+        # kv head outer, so that the items of one thread (static chunks) share their K/V in cache
+        for ih in T.parallel((N + RB - 1) // RB * H_kv):
+            cpu_body(
+                N,
+                T.if_then_else(
+                    ih % ((N + RB - 1) // RB) % 2 == 0,
+                    ih % ((N + RB - 1) // RB) // 2,
+                    (N + RB - 1) // RB - 1 - ih % ((N + RB - 1) // RB) // 2,
+                ),
+                ih // ((N + RB - 1) // RB),
+            )
 
     # ---------------------------------------------------------------- cuda schedule
     @_macro
@@ -405,17 +581,18 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                         if Ks[ty, c] >= 0:
                             O[r] = O[r] + Ps[ty, c] * v_at(V_src, Ks[ty, c], hk, r * WARP + tx)
             T.tvm_storage_sync("shared")
+        # a row that saw no key has l == 0; a NaN l (NaN in q/k/v) must propagate, not read as empty
         for r in T.unroll(ND):
             if r * WARP + tx < D:
-                if st[1] > T.float32(0):
-                    o[i, h, r * WARP + tx] = T.Cast(dtype, O[r] / st[1])
-                else:
+                if st[1] == T.float32(0):
                     o[i, h, r * WARP + tx] = T.Cast(dtype, T.float32(0))
+                else:
+                    o[i, h, r * WARP + tx] = T.Cast(dtype, O[r] / st[1])
         if tx == 0:
-            if st[1] > T.float32(0):
-                lse[i, h] = st[0] + T.log2(st[1])
-            else:
+            if st[1] == T.float32(0):
                 lse[i, h] = T.float32(neg_inf)
+            else:
+                lse[i, h] = st[0] + T.log2(st[1])
 
     # ---------------------------------------------------------------- signatures
     if source == "paged":
@@ -466,8 +643,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             K_src = T.meta_var(pages)
             V_src = T.meta_var(pages)
             if cpu:
-                for ih in T.parallel(n * H_kv):
-                    cpu_body(ih // H_kv, ih % H_kv)
+                cpu_kernel(n)
             else:
                 gpu_body(n)
 
@@ -506,8 +682,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             K_src = T.meta_var(pages)
             V_src = T.meta_var(pages)
             if cpu:
-                for ih in T.parallel(B * H_kv):
-                    cpu_body(ih // H_kv, ih % H_kv)
+                cpu_kernel(B)
             else:
                 gpu_body(B)
 
@@ -543,8 +718,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         K_src = T.meta_var(k)
         V_src = T.meta_var(v)
         if cpu:
-            for ih in T.parallel(n * H_kv):
-                cpu_body(ih // H_kv, ih % H_kv)
+            cpu_kernel(n)
         else:
             gpu_body(n)
 

@@ -9,6 +9,9 @@ from .spec import KernelSpec
 def make_paged_decode(spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False):
     """Attention of one query per sequence over every valid slot of its pages.
 
+    On cuda this is the bandwidth-oriented schedule of :mod:`tvmkv.tir.decode_cuda`; on llvm the
+    shared attention builder.
+
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
     ----------
     q : [B, H_qo, D] dtype
@@ -25,4 +28,8 @@ def make_paged_decode(spec: KernelSpec, *, sliding: bool = False, inline_rope: b
         Base-2 log-sum-exp; -inf (and o = 0) for a sequence without visible slots.
     sm_scale, rope_scale, rope_theta : float32
     """
+    if spec.target_kind == "cuda":
+        from .decode_cuda import make_paged_decode_cuda
+
+        return make_paged_decode_cuda(spec, sliding=sliding, inline_rope=inline_rope)
     return build_attention(spec, source="decode", mask="none", sliding=sliding, inline_rope=inline_rope)

@@ -1,0 +1,524 @@
+"""Per-step host overhead of a decode step: tvmkv's Python manager vs TVM's C++ paged KV cache.
+
+One step = ``begin_forward`` (plan + page-table upload) + one attention dispatch (layer 0) +
+``end_forward``, for decode batches 1, 32 and 256 over 2k-token histories, at two pool capacities
+(just enough pages, and 4x as many: the cost must follow the batch, not the pool). Both caches run
+in this process with **stub kernels** (the real kernels' signatures, bodies emptied: the host-side
+argument checks of every call remain, the device work is gone), so only host overhead is timed:
+
+- tvmkv: ``PagedAttentionKVCache`` with its kernel library replaced by stubs of ``tvmkv.tir.kernel_set``.
+- TVM: ``vm.builtin.paged_attention_kv_cache_create`` with stubs of the PrimFuncs
+  ``tvm.relax.frontend.nn.llm.kv_cache.TIRPagedKVCache`` passes for the target (28 arguments, in
+  TVM's order), driven by ``vm.builtin.kv_state_begin_forward``,
+  ``attention_kv_cache_attention_with_fused_qkv`` and ``kv_state_end_forward``.
+
+Usage::
+
+    .venv/bin/python bench/host.py [--target llvm|cuda] [--steps 200] [--out DIR] [--write]
+    .venv/bin/python bench/host.py --prepare DIR --target cuda   # stub libraries for a runtime-only TVM
+
+``--write`` replaces the "Host path" section of bench/RESULTS.md. On the GPU machine (runtime-only
+TVM) run with ``--stubs DIR`` pointing at what ``--prepare`` wrote here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+H_QO, H_KV, D, P, DTYPE = 8, 2, 64, 16, "float16"  # small: with stubs the shape only sizes the pool
+BATCHES = (1, 32, 256)
+HISTORY = 2048
+MARK_BEGIN, MARK_END = "<!-- host:begin -->", "<!-- host:end -->"
+
+
+# ------------------------------------------------------------------------------------------------
+# TVM's own cache: the PrimFuncs TIRPagedKVCache hands to paged_attention_kv_cache_create
+# ------------------------------------------------------------------------------------------------
+
+
+def tvm_cache_funcs(target_kind: str, *, num_layers, h_qo, h_kv, d, page_size, dtype) -> list:
+    """``[(name, PrimFunc)]`` in the order of create's arguments 13.. (TVM 0.27 TIRPagedKVCache).
+
+    Tuple arguments are rebuilt by :func:`tvm_create_args` from the names.
+    """
+    import tvm
+    from tvm.relax.frontend.nn.llm import kv_cache as kvc
+
+    rs = {}  # rope_scaling: default frequencies
+    target = tvm.target.Target(
+        {"kind": "llvm"} if target_kind == "llvm" else {"kind": "cuda", "arch": "sm_90"}
+    )
+    common = [
+        ("kv_cache_transpose_append", kvc._kv_cache_transpose_append(h_kv, d, dtype)),
+        ("kv_cache_transpose_append_mla", kvc._kv_cache_transpose_append_mla(d, dtype)),
+    ]
+    if target_kind == "llvm":
+        return common + [
+            (
+                "tir_attention_prefill_ragged_cpu",
+                kvc._attention_prefill_ragged_cpu(h_kv, h_qo, d, d, dtype, rs),
+            ),
+            ("tir_attention_prefill_cpu", kvc._attention_prefill_cpu(h_kv, h_qo, d, dtype, False, rs)),
+            ("tir_attention_decode_cpu", kvc._attention_decode_cpu(h_kv, h_qo, d, dtype, False, rs)),
+            (
+                "tir_attention_prefill_cpu_sliding_window",
+                kvc._attention_prefill_cpu(h_kv, h_qo, d, dtype, True, rs, sliding_window_size=1024),
+            ),
+            (
+                "tir_attention_decode_cpu_sliding_window",
+                kvc._attention_decode_cpu(h_kv, h_qo, d, dtype, True, rs),
+            ),
+            ("tir_attention_prefill_with_tree_mask_cpu", kvc.tree_attn_cpu(h_kv, h_qo, d, dtype, rs)),
+            (
+                "tir_attention_prefill_with_tree_mask_with_paged_kv_cache_cpu",
+                kvc.tree_attn_with_paged_kv_cache_cpu(h_kv, h_qo, d, dtype, rs),
+            ),
+            ("tir_attention_merge_state_cpu", kvc._merge_state_inplace_cpu(dtype)),
+            ("tir_split_rotary", kvc.llama_rope_with_position_map(1e4, 1.0, d, h_qo, h_kv, dtype, rs, d)),
+            ("kv_cache_copy_single_page_cpu", kvc._copy_single_page_cpu(h_kv, page_size, d, dtype)),
+            ("kv_cache_debug_get_kv", kvc._kv_cache_debug_get_kv(num_layers, h_kv, d, dtype)),
+            ("kv_cache_compact_kv_copy_cpu", kvc._compact_kv_copy_cpu(h_kv, d, dtype)),
+        ]
+    return common + [
+        ("tir_attention_prefill_ragged", kvc._attention_prefill_ragged(h_kv, h_qo, d, d, dtype, rs, target)),
+        ("tir_attention_prefill", kvc._attention_prefill(h_kv, h_qo, d, dtype, False, rs, target)),
+        ("tir_attention_decode", kvc._attention_decode(h_kv, h_qo, d, dtype, False, rs, target)),
+        (
+            "tir_attention_prefill_sliding_window",
+            kvc._attention_prefill(h_kv, h_qo, d, dtype, True, rs, target, sliding_window_size=1024),
+        ),
+        (
+            "tir_attention_decode_sliding_window",
+            kvc._attention_decode(h_kv, h_qo, d, dtype, True, rs, target),
+        ),
+        (
+            "tir_attention_prefill_with_tree_mask_with_paged_kv_cache",
+            kvc.tree_attn_with_paged_kv_cache(h_kv, h_qo, d, dtype, rs, target),
+        ),
+        ("tir_attention_prefill_with_tree_mask", kvc.tree_attn(h_kv, h_qo, d, dtype, rs, target)),
+        (
+            "tir_attention_merge_state",
+            kvc._merge_state_inplace(h_qo, d, dtype, target, "tir_attention_merge_state"),
+        ),
+        ("tir_split_rotary", kvc.llama_rope_with_position_map(1e4, 1.0, d, h_qo, h_kv, dtype, rs, d)),
+        ("kv_cache_copy_single_page", kvc._copy_single_page(h_kv, page_size, d, dtype, target)),
+        ("kv_cache_debug_get_kv", kvc._kv_cache_debug_get_kv(num_layers, h_kv, d, dtype)),
+        ("kv_cache_compact_kv_copy", kvc._compact_kv_copy(h_kv, d, dtype, target)),
+    ]
+
+
+def tvm_create_args(
+    module, names: list, device, *, max_batch, max_total, chunk, num_layers, h_qo, h_kv, d, page_size, dtype
+) -> list:
+    """The 28 arguments of ``vm.builtin.paged_attention_kv_cache_create`` (TIRPagedKVCache's order)."""
+    import tvm
+    import tvm_ffi
+
+    f = {n: module[n] for n in names}
+    cpu = "tir_attention_decode_cpu" in f
+    sfx = "_cpu" if cpu else ""
+    head = [
+        tvm_ffi.Shape([max_batch, max_total, chunk, page_size, 0, 1024]),
+        tvm_ffi.Shape([0, num_layers]),
+        h_qo,
+        h_kv,
+        d,
+        d,
+        tvm_ffi.Shape([0] * num_layers),  # AttnKind.MHA
+        False,
+        0,
+        1.0,
+        1e4,
+        0,  # disaggregation, rope_mode none, scale, theta, no ext factors
+        tvm.runtime.tensor(np.zeros((), dtype), device),
+        f["kv_cache_transpose_append"],
+        f["kv_cache_transpose_append_mla"],
+    ]
+    if cpu:
+        attn = [
+            "tir_attention_prefill_ragged_cpu",
+            "tir_attention_prefill_cpu",
+            "tir_attention_decode_cpu",
+            "tir_attention_prefill_cpu_sliding_window",
+            "tir_attention_decode_cpu_sliding_window",
+            "tir_attention_prefill_with_tree_mask_cpu",
+            "tir_attention_prefill_with_tree_mask_with_paged_kv_cache_cpu",
+        ]
+        merge = [f["tir_attention_merge_state_cpu"]]
+    else:
+        attn = [
+            "tir_attention_prefill_ragged",
+            "tir_attention_prefill",
+            "tir_attention_decode",
+            "tir_attention_prefill_sliding_window",
+            "tir_attention_decode_sliding_window",
+            "tir_attention_prefill_with_tree_mask_with_paged_kv_cache",
+            "tir_attention_prefill_with_tree_mask",
+        ]
+        merge = [f["tir_attention_merge_state"]]
+    return (
+        head
+        + [["tirx", f[n]] for n in attn]
+        + [
+            [],  # MLA prefill
+            merge,
+            f["tir_split_rotary"],
+            f[f"kv_cache_copy_single_page{sfx}"],
+            f["kv_cache_debug_get_kv"],
+            f[f"kv_cache_compact_kv_copy{sfx}"],
+        ]
+    )
+
+
+def stub(func):
+    """``func`` with the same parameters and buffers and an empty body (host checks remain)."""
+    import tvm
+
+    return func.with_body(tvm.tirx.Evaluate(tvm.tirx.const(0, "int32")))
+
+
+def compile_stubs(funcs: list, target_kind: str):
+    import tvm
+
+    from tvmkv.build import make_target
+
+    mod = tvm.IRModule({n: stub(f).with_attr("global_symbol", n) for n, f in funcs})
+    return tvm.compile(mod, target=make_target(target_kind, "sm_90"), tir_pipeline="tirx")
+
+
+def stub_libraries(target_kind: str, stub_dir: Path | None):
+    """``(tvmkv stub module, [tvmkv names], TVM stub module, [TVM names])``: compiled here, or loaded
+    from ``stub_dir`` (written by ``--prepare``) on a runtime-only TVM."""
+    import tvm
+
+    if stub_dir is not None and (stub_dir / "names.json").exists():
+        names = json.loads((stub_dir / "names.json").read_text())
+        return (
+            tvm.runtime.load_module(str(stub_dir / "tvmkv_stubs.so")),
+            names["tvmkv"],
+            tvm.runtime.load_module(str(stub_dir / "tvm_stubs.so")),
+            names["tvm"],
+        )
+    from tvmkv.tir import kernel_set
+    from tvmkv.tir.spec import KernelSpec
+
+    ours = list(kernel_set(KernelSpec(H_QO, H_KV, D, P, DTYPE, target_kind)).items())
+    theirs = tvm_cache_funcs(target_kind, num_layers=1, h_qo=H_QO, h_kv=H_KV, d=D, page_size=P, dtype=DTYPE)
+    return (
+        compile_stubs(ours, target_kind),
+        [n for n, _ in ours],
+        compile_stubs(theirs, target_kind),
+        [n for n, _ in theirs],
+    )
+
+
+def prepare(stub_dir: Path, target_kind: str) -> None:
+    stub_dir.mkdir(parents=True, exist_ok=True)
+    ours, ours_names, theirs, theirs_names = stub_libraries(target_kind, None)
+    ours.export_library(str(stub_dir / "tvmkv_stubs.so"))
+    theirs.export_library(str(stub_dir / "tvm_stubs.so"))
+    (stub_dir / "names.json").write_text(json.dumps({"tvmkv": ours_names, "tvm": theirs_names}))
+    print(f"wrote {stub_dir}: {sorted(p.name for p in stub_dir.iterdir())}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The two caches behind one small interface
+# ------------------------------------------------------------------------------------------------
+
+
+class _StubLibrary:
+    def __init__(self, module):
+        self.module, self._f = module, {}
+
+    def __getitem__(self, name):
+        f = self._f.get(name)
+        if f is None:
+            f = self._f[name] = self.module[name]
+        return f
+
+    def __contains__(self, name):
+        return self.module.implements_function(name)
+
+
+def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk):
+    import tvmkv.build
+    from tvmkv import PagedAttentionKVCache
+
+    real = tvmkv.build.load_kernels
+    tvmkv.build.load_kernels = lambda *a, **k: _StubLibrary(libs[0])  # no real kernels needed
+    try:
+        cache = PagedAttentionKVCache(
+            1,
+            H_QO,
+            H_KV,
+            D,
+            page_size=P,
+            max_batch_size=batch,
+            max_total_seq_len=max_total,
+            prefill_chunk_size=chunk,
+            dtype=DTYPE,
+            target=target_kind,
+            num_pages=num_pages,
+        )
+    finally:
+        tvmkv.build.load_kernels = real
+
+    class Ops:
+        add = cache.add_sequence
+        begin = cache.begin_forward
+        end = cache.end_forward
+
+        @staticmethod
+        def attn(qkv, out):
+            cache.attention_with_fused_qkv(0, qkv, out=out)
+
+    return cache, Ops
+
+
+def make_tvm(libs, device, batch, max_total, chunk):
+    import tvm
+    import tvm_ffi
+
+    args = tvm_create_args(
+        libs[2],
+        libs[3],
+        device,
+        max_batch=batch,
+        max_total=max_total,
+        chunk=chunk,
+        num_layers=1,
+        h_qo=H_QO,
+        h_kv=H_KV,
+        d=D,
+        page_size=P,
+        dtype=DTYPE,
+    )
+    cache = tvm.get_global_func("vm.builtin.paged_attention_kv_cache_create")(*args)
+    g = {
+        n: tvm.get_global_func("vm.builtin." + n)
+        for n in (
+            "kv_state_add_sequence",
+            "kv_state_begin_forward",
+            "kv_state_end_forward",
+            "attention_kv_cache_attention_with_fused_qkv",
+        )
+    }
+    scale = D**-0.5
+
+    class Ops:
+        @staticmethod
+        def add(s):
+            g["kv_state_add_sequence"](cache, s)
+
+        @staticmethod
+        def begin(ids, lens):
+            g["kv_state_begin_forward"](cache, tvm_ffi.Shape(ids), tvm_ffi.Shape(lens))
+
+        @staticmethod
+        def end():
+            g["kv_state_end_forward"](cache)
+
+        @staticmethod
+        def attn(qkv, out):
+            g["attention_kv_cache_attention_with_fused_qkv"](cache, 0, scale, qkv, out)
+
+    return cache, Ops
+
+
+def run_case(impl, libs, target_kind, batch, capacity_factor, steps) -> dict:
+    """Median µs per decode step (and per phase) for one cache, batch and pool size."""
+    import tvm
+
+    device = tvm.cpu(0) if target_kind == "llvm" else tvm.cuda(0)
+    need_tokens = batch * (HISTORY + steps + 2 * P)
+    max_total = need_tokens * capacity_factor
+    num_pages = -(-max_total // P) + batch
+    chunk = HISTORY
+    if impl == "tvmkv":
+        cache, ops = make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk)
+    else:
+        cache, ops = make_tvm(libs, device, batch, max_total, chunk)
+    ids = list(range(batch))
+    for s in ids:
+        ops.add(s)
+        ops.begin([s], [HISTORY])  # 2k-token history; no attention call needed to reserve it
+        ops.end()
+    qkv = tvm.runtime.tensor(np.zeros((batch, H_QO + 2 * H_KV, D), DTYPE), device)
+    out = tvm.runtime.empty((batch, H_QO, D), DTYPE, device)
+    ones = [1] * batch
+    tb, ta, te, tt = [], [], [], []
+    clock = time.perf_counter
+    for i in range(steps + 5):
+        t0 = clock()
+        ops.begin(ids, ones)
+        t1 = clock()
+        ops.attn(qkv, out)
+        t2 = clock()
+        ops.end()
+        t3 = clock()
+        if i >= 5:  # warm-up: view caches, first calls
+            tb.append(t1 - t0), ta.append(t2 - t1), te.append(t3 - t2), tt.append(t3 - t0)
+    device.sync()
+    del cache, ops
+    gc.collect()
+    med = lambda xs: statistics.median(xs) * 1e6  # noqa: E731
+    return {
+        "impl": impl,
+        "batch": batch,
+        "capacity_factor": capacity_factor,
+        "num_pages": num_pages,
+        "begin_us": med(tb),
+        "attn_us": med(ta),
+        "end_us": med(te),
+        "step_us": med(tt),
+        "step_p90_us": float(np.percentile(tt, 90) * 1e6),
+        "steps": steps,
+    }
+
+
+def render(rows, meta) -> str:
+    lines = [
+        "## Host path",
+        "",
+        f"Measured {meta['date']} on `{meta['host']}` ({meta['cpu']}, {meta['ncpu']} CPUs, load average "
+        f"{meta['load']:.1f}), target `{meta['target']}`{', ' + meta['device'] if meta.get('device') else ''}, "
+        f"TVM {meta['tvm']}. One decode step = begin_forward (plan + page-table upload) + one attention "
+        f"call (layer 0) + end_forward; {HISTORY}-token histories; stub kernels (real signatures, empty "
+        "bodies) in both caches, so this is host overhead only. Median µs over "
+        f"{meta['steps']} steps. `bench/host.py --write` regenerates this section.",
+        "",
+        "Acceptance (issue 5): tvmkv step <= 0.5x TVM at batch 256, <= 1x at 32, <= 1.5x at 1.",
+        "",
+        "| batch | pool | pages | tvmkv step µs (begin / attn / end) | TVM C++ step µs (begin / attn / end) "
+        "| tvmkv / TVM | target | ok |",
+        "| ---: | ---: | ---: | --- | --- | ---: | ---: | --- |",
+    ]
+    goal = {1: 1.5, 32: 1.0, 256: 0.5}
+    by = {(r["impl"], r["batch"], r["capacity_factor"]): r for r in rows if "step_us" in r}
+    for (impl, b, cf), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if impl != "tvmkv":
+            continue
+        t = by.get(("tvm", b, cf))
+        ours = f"{r['step_us']:.1f} ({r['begin_us']:.1f} / {r['attn_us']:.1f} / {r['end_us']:.1f})"
+        theirs = (
+            "n/a"
+            if t is None
+            else (f"{t['step_us']:.1f} ({t['begin_us']:.1f} / {t['attn_us']:.1f} / {t['end_us']:.1f})")
+        )
+        ratio = r["step_us"] / t["step_us"] if t else float("nan")
+        g = goal.get(b)
+        ok = "" if g is None or t is None else ("yes" if ratio <= g else "**no**")
+        lines.append(
+            f"| {b} | {cf}x | {r['num_pages']:,} | {ours} | {theirs} | {ratio:.2f} | "
+            f"{'<= ' + str(g) if g else ''} | {ok} |"
+        )
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"\n{r['impl']} batch {r['batch']} pool {r['capacity_factor']}x failed: {r['error']}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_results(table: str, begin: str = MARK_BEGIN, end: str = MARK_END) -> None:
+    """Replace the section between ``begin`` and ``end`` of bench/RESULTS.md (append it if absent)."""
+    path = ROOT / "bench" / "RESULTS.md"
+    text = path.read_text() if path.exists() else "# tvmkv benchmark results\n\n"
+    block = f"{begin}\n{table}{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--capacity", type=int, nargs="+", default=[1, 4], help="pool size factors")
+    ap.add_argument("--prepare", type=Path, help="only compile the stub libraries into this folder")
+    ap.add_argument("--stubs", type=Path, help="load stub libraries from here (runtime-only TVM)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    ap.add_argument("--write", action="store_true", help="write the Host path section of bench/RESULTS.md")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TVM_NUM_THREADS", "1")
+    if args.prepare:
+        prepare(args.prepare, args.target)
+        return 0
+    payload = os.environ.get("TVMKV_PAYLOAD")
+    if payload:  # GPU machine: runtime-only TVM needs its CUDA backend loaded first
+        sys.path.insert(0, payload)
+        import tvm_cuda_runtime  # noqa: F401
+    import tvm
+
+    libs = stub_libraries(args.target, args.stubs)
+    rows = []
+    for b in args.batches:
+        for cf in args.capacity:
+            for impl in ("tvm", "tvmkv"):
+                try:
+                    r = run_case(impl, libs, args.target, b, cf, args.steps)
+                    print(
+                        f"{impl:6s} B={b:4d} pool {cf}x: step {r['step_us']:8.1f} us (begin {r['begin_us']:.1f}, "
+                        f"attn {r['attn_us']:.1f}, end {r['end_us']:.1f})",
+                        flush=True,
+                    )
+                except Exception as err:  # noqa: BLE001 - report and go on
+                    import traceback
+
+                    traceback.print_exc()
+                    r = {
+                        "impl": impl,
+                        "batch": b,
+                        "capacity_factor": cf,
+                        "error": f"{type(err).__name__}: {err}",
+                    }
+                rows.append(r)
+    dev = tvm.cuda(0) if args.target == "cuda" else None
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "ncpu": os.cpu_count(),
+        "load": os.getloadavg()[0],
+        "target": args.target,
+        "tvm": tvm.__version__,
+        "steps": args.steps,
+        "device": dev.device_name if dev is not None else None,
+    }
+    try:
+        from bench.cpu import cpu_model
+
+        meta["cpu"] = cpu_model()
+    except Exception:  # noqa: BLE001
+        pass
+    table = render(rows, meta)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"host_{args.target}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (args.out / f"host_{args.target}.md").write_text(table)
+    if args.write:
+        write_results(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

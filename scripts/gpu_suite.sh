@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run on the GPU machine (carry: .devpayload and build/cuda-sm_90, made by scripts/make_gpu_payload.sh).
+# Every check tvmkv has for CUDA, each step logged to $OUT (or /tmp/tvmkv_gpu): the gpu-marked kernel and
+# cache tests, replays of every scenario, a short soak, and the tiny Llama through both Relax routes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/tvmkv_gpu}
+mkdir -p "$out"
+source .devpayload/setup.sh
+export TVMKV_PAYLOAD=$PWD/.devpayload TVM_USE_RUNTIME_LIB=1 TVMKV_CUDA_ARCH=${TVMKV_CUDA_ARCH:-sm_90}
+export PYTHONPATH=$PWD:$PWD/.devpayload${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/card.txt"
+status=0
+step() {  # step NAME CMD...: run, log, remember failures
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  if "$@" > "$out/$name.log" 2>&1; then echo "-- $name OK ($((SECONDS - t0))s)"; else
+    echo "-- $name FAILED ($((SECONDS - t0))s)"; status=1; fi
+  tail -n "${TAIL:-4}" "$out/$name.log"
+}
+step kernels python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_kernels.py tests/test_ops_kernels.py
+step cache python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cache.py
+for rope in normal inline none; do
+  step "replay_$rope" python3 -m tvmkv replay --target cuda --rope-mode "$rope"
+done
+step replay_fp16 python3 -m tvmkv replay --target cuda --dtype float16 --rope-mode normal
+soak='import sys, runpy, tvm_cuda_runtime; sys.argv[0] = "bench/soak.py"; runpy.run_path(sys.argv[0], run_name="__main__")'
+step soak python3 -c "$soak" --target cuda --ops "${SOAK_OPS:-3000}" --json "$out/soak.json"
+runner='import sys, tvm_cuda_runtime; from tvmkv.generate import main; sys.exit(main(sys.argv[1:]))'
+step generate python3 -c "$runner" --target cuda --model-lib build/cuda-sm_90/models/tiny_llama.so
+step generate_tvm python3 -c "$runner" --target cuda --interface tvm --model-lib build/cuda-sm_90/models/tiny_llama_tvm.so
+exit $status

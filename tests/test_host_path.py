@@ -1,0 +1,167 @@
+"""The per-step host path (packed index buffer, device ring, page mirrors) against the NumPy model.
+
+Many forwards run back to back on device arrays with no host sync between them (q/k/v inputs are
+uploaded up front, outputs stay on the device); only at the end are every output and the stored
+K/V compared with ``tvmkv.reference.cache_model.CacheModel`` (through ``tvmkv.replay.Replayer``).
+The scenario mixes what changes page lists behind ``begin_forward``'s back (fork + copy-on-write,
+pop_n, sliding windows freeing pages, token-tree commits) so stale page mirrors would show.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from conftest import device_of
+
+from tvmkv import PagedAttentionKVCache
+from tvmkv.replay import Replayer
+from tvmkv.runtime.index_buffer import RING
+from tvmkv.runtime.tensors import numpy_dtype
+
+CONFIGS = [  # (H_qo, H_kv, D, P, dtype, sliding)
+    (4, 2, 64, 16, "float32", False),
+    (2, 2, 64, 4, "float32", True),
+]
+
+
+def _ops(sliding: bool, rng) -> list:
+    ops = [("add", i) for i in range(6)]
+    ops.append(("fwd", [(0, 37), (1, 5), (2, 16)]))  # ragged prefill, empty history
+    ops.append(("fwd", [(3, 9), (0, 3)]))  # paged prefill over history
+    ops += [("fwd", [(0, 1), (1, 1), (2, 1), (3, 1)])] * 6  # decode, pages fill up
+    ops.append(("fork", 0, 10, 30))  # partial last page: copied; then copy-on-write below
+    ops.append(("fork", 2, 11, -1))  # shares a full page
+    ops += [("fwd", [(10, 1), (11, 2), (0, 1), (2, 1)])] * 4
+    ops.append(("pop", 0, 13))  # drops pages: a suffix of the mirror
+    ops += [("fwd", [(0, 2), (1, 1), (4, 20)])] * 2
+    if sliding:
+        ops.append(("window", 4, 12, 2))
+        ops += [("fwd", [(4, 3), (0, 1), (3, 5)])] * 8  # window slides, frees pages
+    else:
+        ops.append(("tree", [(5, [-1, 0, 0, 1]), (1, [-1, 0])]))
+        ops.append(("commit", [(5, 3), (1, 1)]))
+        ops += [("fwd", [(5, 1), (1, 1)])] * 3
+    ops.append(("remove", 11))
+    ops += [("fwd", [(0, 1), (1, 1), (2, 1), (3, 1), (10, 1)])] * 6
+    return ops
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "q{}_kv{}_d{}_p{}_{}{}".format(*c[:5], "_sw" * c[5]))
+def test_back_to_back_forwards_match_model(target, cfg):
+    H_qo, H_kv, D, P, dtype, sliding = cfg
+    layers = 2
+    cache = PagedAttentionKVCache(
+        layers,
+        H_qo,
+        H_kv,
+        D,
+        page_size=P,
+        max_batch_size=8,
+        max_total_seq_len=512,
+        prefill_chunk_size=64,
+        dtype=dtype,
+        support_sliding_window=sliding,
+        target=target,
+        num_pages=160,
+    )
+    rep = Replayer(cache, seed=1)
+    rng = np.random.default_rng(0)
+    ops = _ops(sliding, rng)
+    dev = device_of(target)
+    # every input on the device before the first forward: no copy (and so no sync) in between
+    inputs = []
+    for op in ops:
+        if op[0] in ("fwd", "tree"):
+            n = sum(x[1] if op[0] == "fwd" else len(x[1]) for x in op[1])
+            qkv = [
+                rng.uniform(-1, 1, (n, H_qo + 2 * H_kv, D)).astype(numpy_dtype(dtype)) for _ in range(layers)
+            ]
+            inputs.append([(q, tvm.runtime.tensor(q, dev)) for q in qkv])
+    dev.sync()
+    outputs, slots = [], []
+    it = iter(inputs)
+    for op in ops:
+        if op[0] not in ("fwd", "tree"):
+            rep.apply(op)
+            continue
+        ids = [x[0] for x in op[1]]
+        if op[0] == "fwd":
+            lengths, parents, flat = [x[1] for x in op[1]], None, None
+        else:
+            parents = [list(x[1]) for x in op[1]]
+            lengths = [len(p) for p in parents]
+            flat = [p for ps in parents for p in ps]
+        cache.begin_forward(ids, lengths, flat)
+        rep.model.begin(ids, lengths, parents)
+        slots.append(cache._fwd.dev["page_indptr"].data_ptr())
+        for layer, (q_host, q_dev) in enumerate(next(it)):
+            o = cache.attention_with_fused_qkv(layer, q_dev)  # a device tensor, not read back yet
+            ref, _ = rep.model.attention(layer, q_host)
+            outputs.append((ids, lengths, layer, o, ref))
+        cache.end_forward()
+        rep.model.end()
+    dev.sync()
+    for ids, lengths, layer, o, ref in outputs:
+        np.testing.assert_allclose(
+            np.asarray(o.numpy(), np.float64),
+            ref,
+            atol=rep.atol,
+            rtol=rep.rtol,
+            err_msg=f"layer {layer}, seqs {ids}, lengths {lengths}",
+        )
+    rep.check_kv()
+    cache.check_integrity()
+    # consecutive forwards use different device index buffers (the ring; see runtime/index_buffer.py)
+    assert all(a != b for a, b in zip(slots, slots[1:])) or RING == 1
+    for sid in cache.sequence_ids():
+        cache.remove_sequence(sid)
+    rep.check_drained()
+
+
+def test_page_indices_follow_page_lists_after_every_operation(rng):
+    """White-box: the packed page_indices equal the Python page lists after random operations."""
+    cache = PagedAttentionKVCache(
+        1,
+        2,
+        2,
+        64,
+        page_size=4,
+        max_batch_size=8,
+        max_total_seq_len=256,
+        prefill_chunk_size=64,
+        dtype="float32",
+        support_sliding_window=True,
+        num_pages=200,
+    )
+    live = []
+    for step in range(120):
+        r = rng.random()
+        if r < 0.15 or not live:
+            sid = step + 100
+            cache.add_sequence(sid)
+            live.append(sid)
+            if rng.random() < 0.3:
+                cache.enable_sliding_window_for_seq(sid, int(rng.integers(6, 20)), int(rng.integers(0, 3)))
+        elif r < 0.25 and cache.sequence_length(live[0]) > 2 and not cache._seqs[live[0]].slid:
+            child = step + 1000
+            cache.fork_sequence(live[0], child, int(rng.integers(1, cache.sequence_length(live[0]))))
+            live.append(child)
+        elif r < 0.35:
+            sid = live[int(rng.integers(len(live)))]
+            seq = cache._seqs[sid]
+            limit = seq.kv_len - seq.window_start if seq.slid else seq.length
+            cache.pop_n(sid, int(rng.integers(0, limit + 1)))
+        elif r < 0.42 and len(live) > 1:
+            cache.remove_sequence(live.pop(int(rng.integers(len(live)))))
+        else:
+            batch = list(rng.choice(live, size=min(len(live), int(rng.integers(1, 5))), replace=False))
+            lengths = [int(rng.integers(1, 6)) for _ in batch]
+            cache.begin_forward(batch, lengths)
+            d = cache._fwd.dev
+            indptr = d["page_indptr"].numpy()
+            want = np.concatenate([np.asarray(cache._seqs[s].pages, np.int32) for s in batch] + [[]])
+            got = d["page_indices"].numpy()[: indptr[-1]]
+            np.testing.assert_array_equal(got, want.astype(np.int32), err_msg=f"step {step}")
+            cache.end_forward()
+        cache.check_integrity()

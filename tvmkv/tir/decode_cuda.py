@@ -1,0 +1,352 @@
+# ruff: noqa: F821, F841
+# (the TVMScript macros below name the kernel's buffers and variables, which ruff cannot see)
+"""Bandwidth-oriented CUDA schedule of the paged decode kernel. See docs/layout.md.
+
+Design (one query token per sequence, so the kernel is a pure stream over the sequence's K/V):
+
+* One thread block per (sequence ``b``, kv head ``hk``, slice of ``GQ`` of its ``group`` query heads);
+  usually ``GQ == group`` so every K/V row of a kv head is read from memory exactly once and used by
+  all its query heads (GQA-aware).
+* A key row (``D`` elements) is read by ``TPK`` lanes with 16-byte vector loads (``VEC`` = 8 fp16 /
+  bf16 or 4 fp32 elements per load, ``E`` contiguous elements per lane). A warp therefore holds
+  ``KPW = 32 // TPK`` keys at once, and each lane group ("sub-warp") issues ``U`` keys' K and V
+  loads back to back before using any of them, so ``NW * 32 * U * 2 * 16`` bytes per block are in
+  flight. The block's ``NW`` warps stream interleaved, consecutive key ranges of the sequence; the
+  page ids of the next tile are fetched while the current one is in flight.
+* Each sub-warp keeps its own online-softmax state (running max ``m`` in base 2, sum ``l``, the
+  lane's ``E`` columns of ``O``) in registers; scores are reduced over the ``TPK`` lanes of a key
+  with xor shuffles. At the end the sub-warps of a warp merge through shuffles, then the warps
+  merge through shared memory, and the block writes ``o`` and the base-2 ``lse``.
+* ``sliding``: only valid slots are visited (the sink ``[0, sink_end)`` then ``[window_start,
+  kv_len)``), so a window costs only its size. ``inline_rope``: q is rotated once at load; a key's
+  rotate-half partner element lives in lane ``lt ^ TPK/2`` of the same sub-warp (one shuffle).
+
+Shapes the fast path does not cover (``D / VEC`` without a power-of-two factor that leaves at most
+32 elements per lane, e.g. D = 80) use the generic schedule of ``_attn_common``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+from ._attn_common import _macro
+from .spec import KernelSpec
+
+LOG2E = math.log2(math.e)
+WARP = 32
+DEFAULT_WARPS = 8
+SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
+REG_FLOATS = 32  # per-lane q (and O) floats: GQ * E <= REG_FLOATS
+LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * elem_bytes ~ LOAD_BYTES
+
+
+def _elem_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def decode_layout(spec: KernelSpec, num_warps: int = DEFAULT_WARPS, unroll: int | None = None):
+    """Static thread layout of the fast path, or ``None`` where it does not apply.
+
+    Returns a dict: VEC (elements per 16-byte load), TPK (lanes per key), E (elements per lane),
+    KPW (keys per warp), U (keys per lane group per tile), GQ (query heads per block), NW (warps).
+    """
+    D, group = spec.head_dim, spec.group
+    eb = _elem_bytes(spec.dtype)
+    vec = 16 // eb
+    if D % vec:
+        return None
+    chunks = D // vec
+    tpk = 1
+    while tpk < WARP and chunks % (tpk * 2) == 0:
+        tpk *= 2
+    E = D // tpk
+    if tpk < 2 or E > REG_FLOATS:
+        return None
+    U = unroll if unroll is not None else max(1, min(8, LOAD_BYTES // (E * eb)))
+    cap = max(1, min(REG_FLOATS // E, SMEM_FLOATS // (num_warps * D)))
+    GQ = max(x for x in range(1, min(group, cap) + 1) if group % x == 0)
+    return {"VEC": vec, "TPK": tpk, "E": E, "KPW": WARP // tpk, "U": U, "GQ": GQ, "NW": num_warps}
+
+
+def make_paged_decode_cuda(
+    spec: KernelSpec,
+    *,
+    sliding: bool = False,
+    inline_rope: bool = False,
+    num_warps: int = DEFAULT_WARPS,
+    unroll: int | None = None,
+    double_buffer: bool = False,
+):
+    """The CUDA ``paged_decode`` PrimFunc (same signature as ``decode.make_paged_decode``).
+
+    ``num_warps`` (warps per block) and ``unroll`` (keys per lane group per tile) are tuning knobs;
+    the defaults are what the runtime uses. ``double_buffer`` (experimental) issues tile t+1's
+    K/V loads into a second register buffer before computing tile t.
+    """
+    lay = decode_layout(spec, num_warps, unroll)
+    if lay is None:
+        from ._attn_common import build_attention
+
+        return build_attention(spec, source="decode", mask="none", sliding=sliding, inline_rope=inline_rope)
+    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    group = spec.group
+    VEC, TPK, E, KPW, U, GQ, NW = (lay[k] for k in ("VEC", "TPK", "E", "KPW", "U", "GQ", "NW"))
+    NC = E // VEC  # 16-byte loads per lane per key row
+    NGB = group // GQ  # blocks per kv head
+    NT = NW * WARP
+    KB = NW * KPW * U  # keys per block per tile
+    HALF = D // 2
+    HT = TPK // 2  # xor distance of the rotate-half partner lane
+    LOGP = P.bit_length() - 1
+    PMASK = P - 1
+    NOUT = (GQ * D + NT - 1) // NT
+    rope = bool(inline_rope)
+    sliding = bool(sliding)
+    NB = 2 if double_buffer else 1
+    neg_inf = float("-inf")
+    shfl_xor = getattr(T.cuda, "__shfl_xor_sync")
+    FULL = 0xFFFFFFFF
+
+    def x_of(t, u, w, sub):
+        # visited-key index of key u of lane group (w, sub) in tile t
+        return t * KB + w * (KPW * U) + u * KPW + sub
+
+    def xc(t, u, w, sub, n):
+        # the same, clamped to the last visited key (loads past the end re-read it; masked later)
+        return T.min(x_of(t, u, w, sub), n - 1)
+
+    def key_slot(x, n1, start2):
+        # x-th visited key -> slot index j within the sequence
+        if sliding:
+            return T.if_then_else(x < n1, x, x - n1 + start2)
+        return x
+
+    def slot_of(t, u, w, sub, seq):
+        # slot index j (within the sequence) of that key, clamped
+        return key_slot(xc(t, u, w, sub, seq[1]), seq[2], seq[3])
+
+    def key_pos(j, sink, offset):
+        if sliding:
+            return T.if_then_else(j < sink, j, j + offset)
+        return j
+
+    @_macro
+    def load_tile(buf, t):
+        # issue every K and V load of tile t into buffer buf (keys past the end re-read the last
+        # key), then fetch the page ids of tile t + NB (same buffer) behind them
+        for u in T.unroll(U):
+            for c in T.unroll(NC):
+                for v in T.vectorized(VEC):
+                    kb[buf, u, c * VEC + v] = pages[
+                        pid[buf, u], 0, hk, slot_of(t, u, w, sub, seq) & PMASK, lt * E + c * VEC + v
+                    ]
+            for c in T.unroll(NC):
+                for v in T.vectorized(VEC):
+                    vb[buf, u, c * VEC + v] = pages[
+                        pid[buf, u], 1, hk, slot_of(t, u, w, sub, seq) & PMASK, lt * E + c * VEC + v
+                    ]
+        for u in T.unroll(U):
+            pid[buf, u] = page_indices[seq[0] + (slot_of(t + NB, u, w, sub, seq) >> LOGP)]
+
+    @_macro
+    def compute_tile(buf, t):
+        # scores S[g, u] (reduced over the TPK lanes of a key; -inf past the end)
+        for u in T.unroll(U):
+            if rope:
+                for e in T.unroll(E):
+                    kr[e] = T.Cast("float32", kb[buf, u, e])
+                for e in T.unroll(E):
+                    acc[0] = shfl_xor(T.uint32(FULL), kr[e], HT, WARP)
+                    st[0] = T.Cast("float32", key_pos(slot_of(t, u, w, sub, seq), seq[4], seq[5])) * fr[e]
+                    if lt < HT:
+                        kr[e] = kr[e] * T.cos(st[0]) - acc[0] * T.sin(st[0])
+                    else:
+                        kr[e] = kr[e] * T.cos(st[0]) + acc[0] * T.sin(st[0])
+            for g in T.unroll(GQ):
+                acc[0] = T.float32(0)
+                for e in T.unroll(E):
+                    if rope:
+                        acc[0] = acc[0] + Qr[g, e] * kr[e]
+                    else:
+                        acc[0] = acc[0] + Qr[g, e] * T.Cast("float32", kb[buf, u, e])
+                acc[0] = T.cuda.warp_reduce(acc[0], "sum", TPK)  # every lane: no divergence
+                S[g, u] = T.if_then_else(x_of(t, u, w, sub) < seq[1], acc[0], T.float32(neg_inf))
+        # online softmax (base 2) and O += P V
+        for g in T.unroll(GQ):
+            st[0] = m[g]
+            for u in T.unroll(U):
+                st[0] = T.max(st[0], S[g, u])
+            st[1] = T.if_then_else(st[0] == T.float32(neg_inf), T.float32(0), st[0])
+            st[2] = T.exp2(m[g] - st[1])
+            l_sum[g] = l_sum[g] * st[2]
+            for e in T.unroll(E):
+                O[g, e] = O[g, e] * st[2]
+            for u in T.unroll(U):
+                st[3] = T.exp2(S[g, u] - st[1])
+                l_sum[g] = l_sum[g] + st[3]
+                for e in T.unroll(E):
+                    O[g, e] = O[g, e] + st[3] * T.Cast("float32", vb[buf, u, e])
+            m[g] = st[0]
+
+    @T.prim_func
+    def paged_decode(
+        var_q: T.handle,
+        var_q_pos: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_indices: T.handle,
+        var_last_page_len: T.handle,
+        var_kv_window: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr({"tir.noalias": True})
+        B = T.int32()
+        num_pages = T.int32()
+        nnz = T.int32()
+        q = T.match_buffer(var_q, (B, H_qo, D), dtype)
+        q_pos = T.match_buffer(var_q_pos, (B,), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+        o = T.match_buffer(var_o, (B, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (B, H_qo), "float32")
+
+        bx = T.launch_thread("blockIdx.x", B * H_kv * NGB)
+        tx = T.launch_thread("threadIdx.x", NT)
+        b = T.meta_var(bx // (H_kv * NGB))
+        hk = T.meta_var(bx // NGB % H_kv)
+        h0 = T.meta_var(hk * group + bx % NGB * GQ)  # first query head of the block
+        w = T.meta_var(tx // WARP)
+        sub = T.meta_var(tx % WARP // TPK)
+        lt = T.meta_var(tx % TPK)
+
+        Ms = T.alloc_buffer((NW, GQ), "float32", scope="shared")
+        Ls = T.alloc_buffer((NW, GQ), "float32", scope="shared")
+        Os = T.alloc_buffer((NW, GQ, D), "float32", scope="shared")
+        # seq: page base, visited keys, sink keys visited first, first window slot, sink_end, offset
+        seq = T.alloc_buffer((6,), "int32", scope="local")
+        pid = T.alloc_buffer((NB, U), "int32", scope="local")  # page id of each key of the tile
+        kb = T.alloc_buffer((NB, U, E), dtype, scope="local")
+        vb = T.alloc_buffer((NB, U, E), dtype, scope="local")
+        Qr = T.alloc_buffer((GQ, E), "float32", scope="local")  # q * sm_scale * log2(e), rotated
+        O = T.alloc_buffer((GQ, E), "float32", scope="local")
+        m = T.alloc_buffer((GQ,), "float32", scope="local")
+        l_sum = T.alloc_buffer((GQ,), "float32", scope="local")
+        S = T.alloc_buffer((GQ, U), "float32", scope="local")
+        st = T.alloc_buffer((4,), "float32", scope="local")  # scratch: new max, safe max, scale a, b
+        kr = T.alloc_buffer((E,), "float32", scope="local")  # rotated key (inline rope)
+        fr = T.alloc_buffer((E,), "float32", scope="local")  # RoPE frequency of each lane element
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+
+        # ---- sequence extent: visited keys are [0, n1) then [start2, kv_len)
+        seq[0] = page_indptr[b]
+        seq[1] = 0
+        if page_indptr[b + 1] > page_indptr[b]:
+            seq[1] = (page_indptr[b + 1] - page_indptr[b] - 1) * P + last_page_len[b]
+        if sliding:
+            seq[4] = kv_window[b, 0]
+            seq[5] = kv_window[b, 2]
+            seq[2] = T.max(T.min(seq[4], seq[1]), 0)
+            seq[3] = T.max(kv_window[b, 1], seq[2])
+            seq[1] = seq[2] + T.max(seq[1] - seq[3], 0)
+        else:
+            seq[2] = seq[1]
+            seq[3] = seq[1]
+            seq[4] = 0
+            seq[5] = 0
+
+        # ---- q (pre-scaled, rotated once) and the running state
+        if rope:
+            for e in T.unroll(E):
+                fr[e] = rope_scale / T.pow(
+                    rope_theta, T.Cast("float32", 2 * ((lt * E + e) % HALF)) / T.float32(D)
+                )
+        for g in T.unroll(GQ):
+            m[g] = T.float32(neg_inf)
+            l_sum[g] = T.float32(0)
+            for e in T.unroll(E):
+                O[g, e] = T.float32(0)
+                if rope:
+                    if lt < HT:
+                        Qr[g, e] = (
+                            T.Cast("float32", q[b, h0 + g, lt * E + e])
+                            * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
+                            - T.Cast("float32", q[b, h0 + g, lt * E + e + HALF])
+                            * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
+                        ) * (sm_scale * T.float32(LOG2E))
+                    else:
+                        Qr[g, e] = (
+                            T.Cast("float32", q[b, h0 + g, lt * E + e])
+                            * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
+                            + T.Cast("float32", q[b, h0 + g, lt * E + e - HALF])
+                            * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
+                        ) * (sm_scale * T.float32(LOG2E))
+                else:
+                    Qr[g, e] = T.Cast("float32", q[b, h0 + g, lt * E + e]) * (sm_scale * T.float32(LOG2E))
+
+        # ---- stream the keys: tile t, lane group (w, sub) takes keys t*KB + w*KPW*U + u*KPW + sub
+        if seq[1] > 0:
+            for par in T.unroll(NB):
+                for u in T.unroll(U):
+                    pid[par, u] = page_indices[seq[0] + (slot_of(par, u, w, sub, seq) >> LOGP)]
+            if double_buffer:
+                load_tile(0, 0)
+        for t2 in T.serial((seq[1] + KB * NB - 1) // (KB * NB)):
+            for par in T.unroll(NB):
+                if double_buffer:
+                    load_tile(1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
+                else:
+                    load_tile(0, t2)
+                compute_tile(par, t2 * NB + par)
+
+        # ---- merge the lane groups of a warp (xor shuffles), then the warps (shared memory)
+        for r in T.unroll(KPW.bit_length() - 1):
+            for g in T.unroll(GQ):
+                acc[0] = shfl_xor(T.uint32(FULL), m[g], TPK << r, WARP)
+                st[0] = T.max(m[g], acc[0])
+                st[1] = T.if_then_else(st[0] == T.float32(neg_inf), T.float32(0), st[0])
+                st[2] = T.exp2(m[g] - st[1])
+                st[3] = T.exp2(acc[0] - st[1])
+                l_sum[g] = l_sum[g] * st[2] + shfl_xor(T.uint32(FULL), l_sum[g], TPK << r, WARP) * st[3]
+                for e in T.unroll(E):
+                    O[g, e] = O[g, e] * st[2] + shfl_xor(T.uint32(FULL), O[g, e], TPK << r, WARP) * st[3]
+                m[g] = st[0]
+        if sub == 0:
+            for g in T.unroll(GQ):
+                if lt == 0:
+                    Ms[w, g] = m[g]
+                    Ls[w, g] = l_sum[g]
+                for e in T.unroll(E):
+                    Os[w, g, lt * E + e] = O[g, e]
+        T.tvm_storage_sync("shared")
+        for r in T.unroll(NOUT):
+            if r * NT + tx < GQ * D:
+                st[0] = T.float32(neg_inf)
+                for k in T.unroll(NW):
+                    st[0] = T.max(st[0], Ms[k, (r * NT + tx) // D])
+                st[1] = T.if_then_else(st[0] == T.float32(neg_inf), T.float32(0), st[0])
+                st[2] = T.float32(0)
+                acc[0] = T.float32(0)
+                for k in T.unroll(NW):
+                    st[3] = T.exp2(Ms[k, (r * NT + tx) // D] - st[1])
+                    st[2] = st[2] + Ls[k, (r * NT + tx) // D] * st[3]
+                    acc[0] = acc[0] + Os[k, (r * NT + tx) // D, (r * NT + tx) % D] * st[3]
+                # no key seen: l == 0 -> o = 0, lse = -inf; a NaN l (NaN input) propagates
+                if st[2] == T.float32(0):
+                    o[b, h0 + (r * NT + tx) // D, (r * NT + tx) % D] = T.Cast(dtype, T.float32(0))
+                    if (r * NT + tx) % D == 0:
+                        lse[b, h0 + (r * NT + tx) // D] = T.float32(neg_inf)
+                else:
+                    o[b, h0 + (r * NT + tx) // D, (r * NT + tx) % D] = T.Cast(dtype, acc[0] / st[2])
+                    if (r * NT + tx) % D == 0:
+                        lse[b, h0 + (r * NT + tx) // D] = st[0] + T.log2(st[2])
+
+    return paged_decode
