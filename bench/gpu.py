@@ -320,6 +320,7 @@ def main(argv=None) -> int:
         "--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench"
     )
     ap.add_argument("--write", action="store_true", help="replace the GPU section of bench/RESULTS.md")
+    ap.add_argument("--skip-tvm", action="store_true", help="leave out TVM's own cache (tvmkv and torch only)")
     args = ap.parse_args(argv)
     if args.prepare:
         prepare(args.prepare)
@@ -371,19 +372,22 @@ def main(argv=None) -> int:
         fl, kvb = flops_and_bytes(c)
         row.update(flops=fl, kv_bytes=kvb)
         ref = None
+        print(f"[{row['case']}] torch", flush=True)
         tr = guard(f"{row['case']} torch", lambda: torch_run(c))
         if tr:
             tr[0]()
             ref = tr[1]()
             row["torch_us"] = guard(f"{row['case']} torch time", lambda: bench.time(tr[0]))
         if lib is not None:
+            print(f"[{row['case']}] tvmkv", flush=True)
             kr = guard(f"{row['case']} tvmkv", lambda: tvmkv_run(c, lib))
             if kr:
                 kr[0]()
                 if ref is not None:
                     row["tvmkv_max_err"] = float(np.abs(kr[1]() - ref).max())
                 row["tvmkv_us"] = guard(f"{row['case']} tvmkv time", lambda: bench.time(kr[0]))
-        tc = guard(f"{row['case']} TVM cache", lambda: tvm_cache_run(c, args.tvm_lib))
+        print(f"[{row['case']}] TVM cache", flush=True)
+        tc = None if args.skip_tvm else guard(f"{row['case']} TVM cache", lambda: tvm_cache_run(c, args.tvm_lib))
         if tc:
             row["tvm_us"] = guard(f"{row['case']} TVM time", lambda: bench.time(tc[0]))
             del tc

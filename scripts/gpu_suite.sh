@@ -30,4 +30,9 @@ step soak python3 -c "$soak" --target cuda --ops "${SOAK_OPS:-3000}" --json "$ou
 runner='import sys, tvm_cuda_runtime; from tvmkv.generate import main; sys.exit(main(sys.argv[1:]))'
 step generate python3 -c "$runner" --target cuda --model-lib build/cuda-sm_90/models/tiny_llama.so
 step generate_tvm python3 -c "$runner" --target cuda --interface tvm --model-lib build/cuda-sm_90/models/tiny_llama_tvm.so
+step host_path python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_host_path.py
+if [ -z "${NO_BENCH:-}" ]; then  # issue 4/5 measurements (need build/tvm-cuda-sm_90, build/host-stubs-cuda)
+  TAIL=30 step bench_gpu python3 bench/gpu.py --tvm-lib build/tvm-cuda-sm_90 --out "$out"
+  TAIL=20 step bench_host python3 bench/host.py --target cuda --stubs build/host-stubs-cuda --out "$out"
+fi
 exit $status

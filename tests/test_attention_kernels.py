@@ -262,6 +262,21 @@ def test_ragged_prefill_causal(target, cfg, rng):
     _run_ragged(target, spec, _kernels(spec), "causal", [1, 9, 40, 3], rng=rng)
 
 
+LONG_CFGS = [CORE[0], CORE[1], EXTRA[0]]
+
+
+@pytest.mark.parametrize("cfg", LONG_CFGS, ids=lambda c: "-".join(map(str, c)))
+def test_long_prefill(target, cfg, rng):
+    """Longer sequences: many key tiles and query-row blocks (the CPU schedule groups up to 16 / group
+    rows of one sequence), blocks that straddle sequence boundaries and a block cut short at the end."""
+    spec = _spec(target, cfg)
+    lib = _kernels(spec)
+    hist, new = [0, 70, 5, 130], [45, 37, 19, 2]
+    for mask in ("causal", "none"):
+        _run_paged_prefill(target, spec, lib, mask, hist, new, rng=rng)
+    _run_ragged(target, spec, lib, "causal", [45, 37, 19, 2], rng=rng)
+
+
 # ---------------------------------------------------------------- targeted variants
 
 TREE_CFGS = [CORE[1], CORE[4], CORE[8], EXTRA[0]]

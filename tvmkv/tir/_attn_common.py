@@ -7,10 +7,15 @@ from (the page pool or the new tokens), which keys a row sees (the mask) and at 
 position a key sits (for inline RoPE); :func:`build_attention` picks those pieces at parse time
 (Python ``if`` on closure values) and wraps them in one of two schedules:
 
-* llvm: ``T.parallel`` over (row, kv head); the ``group`` query heads of a kv head are processed
-  together so each K/V row is loaded (and rotated) once; keys are scored a tile of ``C`` at a time
-  into a local buffer, with an online softmax (running max ``m``, running sum ``d``) in base 2 and
-  ``T.vectorized`` loops over the head dim.
+* llvm: ``T.parallel`` over (kv head, block of ``RB`` query rows of one sequence; decode: one
+  row); the ``M = RB * group`` query vectors of a block share every tile of ``C`` keys, which is
+  gathered (and, for inline RoPE, rotated) once into fp32 local buffers ``Kt`` / ``Vt``. Scores
+  ``S = Q K^T`` and ``O += P V`` are written as single expressions of independent FMA chains
+  (``dot_lanes`` / ``pv_lanes``) so LLVM keeps the partial sums in vector registers (TVM's local
+  buffers are heap workspaces LLVM cannot promote); the online softmax (running max ``m``,
+  running sum ``d``, base 2) uses a vectorizable polynomial ``exp2`` and tree reductions. Row
+  blocks are visited from both ends alternately so T.parallel's static chunks get equal causal
+  work.
 * cuda: one thread block per (row, kv head, sub-group of at most 8 of its query heads), one warp
   per query head; lane ``c`` scores key ``c`` of a 32-key tile (serial dot product), warp
   reductions give the tile's max and sum, and the lanes then spread over the head dim to
@@ -224,7 +229,10 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
     def tree_reduce(terms, op):
         # op over ``terms`` as a balanced tree (independent operations, unlike a serial loop)
         while len(terms) > 1:
-            terms = [op(terms[k], terms[k + 1]) if k + 1 < len(terms) else terms[k] for k in range(0, len(terms), 2)]
+            terms = [
+                op(terms[k], terms[k + 1]) if k + 1 < len(terms) else terms[k]
+                for k in range(0, len(terms), 2)
+            ]
         return terms[0]
 
     def chains(terms, n):
@@ -370,9 +378,9 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                         ) * (sm_scale * T.float32(LOG2E))
                 else:
                     for d in T.vectorized(D):
-                        Q[r * group + g, d] = T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * (
-                            sm_scale * T.float32(LOG2E)
-                        )
+                        Q[r * group + g, d] = T.Cast(
+                            "float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]
+                        ) * (sm_scale * T.float32(LOG2E))
         for t in T.serial((sq[7] + C - 1) // C):
             cpu_keys(t)
             # S = Q K^T: MR x CR (query, key) pairs at a time, each a VL-lane partial sum over D
