@@ -115,8 +115,43 @@ def compile_llama(
     spec = export_spec(interface)
     model = TinyLlama(cfg, target_kind=target)
     mod, named_params = model.export_tvm(spec=spec)
-    ex = tvm.compile(mod, target=target_of(target, cuda_arch))
+    tgt = target_of(target, cuda_arch)
+    pipeline = _cuda_pipeline(tgt) if target == "cuda" else "default"
+    ex = tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     return ex, [name for name, _ in named_params]
+
+
+def _cuda_pipeline(target):
+    """TVM's default CUDA Relax pipeline, with DLight's tensor-core matmul rule switched off.
+
+    In apache-tvm 0.27 ``tensorize`` segfaults (shared/TENSORCORE.md), and DLight's ``gpu.Matmul``
+    hands fp16 matmuls to it; the PrimFunc attribute ``dlight.do_not_tensorize`` makes it fall back to
+    its SIMT schedule.
+    """
+    import tvm
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    @tvm.transform.module_pass(opt_level=0)
+    def no_tensorize(mod, _ctx):
+        for gv, func in list(mod.functions.items()):
+            if isinstance(func, tvm.tirx.PrimFunc):
+                mod[gv] = func.with_attr("dlight.do_not_tensorize", True)
+        return mod
+
+    @tvm.transform.module_pass(opt_level=0)
+    def _pipeline(mod, _ctx):
+        legalize = cuda.legalize_passes(target)
+        with target:
+            seq = tvm.transform.Sequential(
+                cuda.library_dispatch_passes(target)
+                + legalize[:-1]  # all but DLight's ApplyDefaultSchedule, which runs after the attribute
+                + [no_tensorize, legalize[-1]]
+                + cuda.dataflow_lower_passes(target)
+                + cuda.finalize_passes(target)
+            )
+            return seq(mod)
+
+    return _pipeline
 
 
 class RelaxLlama:

@@ -429,16 +429,17 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         for r in T.serial(RB):
             if r0 + r < r1:
                 for g in T.serial(group):
-                    if d_sum[r * group + g] > T.float32(0):
+                    # no key seen: d == 0 -> o = 0, lse = -inf; a NaN d (NaN input) propagates
+                    if d_sum[r * group + g] == T.float32(0):
+                        for d in out_loop(D):
+                            o[r0 + r, hk * group + g, d] = T.Cast(dtype, T.float32(0))
+                        lse[r0 + r, hk * group + g] = T.float32(neg_inf)
+                    else:
                         for d in out_loop(D):
                             o[r0 + r, hk * group + g, d] = T.Cast(
                                 dtype, O[r * group + g, d] / d_sum[r * group + g]
                             )
                         lse[r0 + r, hk * group + g] = m[r * group + g] + T.log2(d_sum[r * group + g])
-                    else:
-                        for d in out_loop(D):
-                            o[r0 + r, hk * group + g, d] = T.Cast(dtype, T.float32(0))
-                        lse[r0 + r, hk * group + g] = T.float32(neg_inf)
 
     @_macro
     def cpu_body(N, ib, hk):
