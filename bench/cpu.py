@@ -239,9 +239,7 @@ def torch_impl(case: Case, data: dict):
 
     def run():
         with torch.no_grad():
-            out["o"] = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True
-            )
+            out["o"] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
     def get():
         return out["o"].transpose(1, 2).reshape(B * n, H_QO, D).float().numpy()

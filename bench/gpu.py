@@ -316,9 +316,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tvm-lib", type=Path, default=ROOT / "build" / "tvm-cuda-sm_90")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--quick", action="store_true", help="first decode and first prefill case only")
-    ap.add_argument(
-        "--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench"
-    )
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench")
     ap.add_argument("--write", action="store_true", help="replace the GPU section of bench/RESULTS.md")
     ap.add_argument("--skip-tvm", action="store_true", help="leave out TVM's own cache (tvmkv and torch only)")
     args = ap.parse_args(argv)
@@ -351,15 +349,11 @@ def main(argv=None) -> int:
             return fn()
         except Exception as err:  # noqa: BLE001 - log and continue with the other sections
             traceback.print_exc()
-            errors.append(
-                f"{what}: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-            )
+            errors.append(f"{what}: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
             return default
 
     meta["copy_GBps"] = guard("copy rate", bench.copy_rate, float("nan"))
-    lib = guard(
-        "load tvmkv kernels", lambda: load_kernels(KernelSpec(H_QO, H_KV, D, P, DTYPE, "cuda"), arch="sm_90")
-    )
+    lib = guard("load tvmkv kernels", lambda: load_kernels(KernelSpec(H_QO, H_KV, D, P, DTYPE, "cuda"), arch="sm_90"))
     print(f"{meta['card']}: D2D copy {meta['copy_GBps']:.0f} GB/s", flush=True)
     cases = [("decode", b, 1, ctx) for b, ctx in DECODE] + [("prefill", b, n, h) for b, n, h in PREFILL]
     if args.quick:

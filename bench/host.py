@@ -58,9 +58,7 @@ def tvm_cache_funcs(target_kind: str, *, num_layers, h_qo, h_kv, d, page_size, d
     from tvm.relax.frontend.nn.llm import kv_cache as kvc
 
     rs = {}  # rope_scaling: default frequencies
-    target = tvm.target.Target(
-        {"kind": "llvm"} if target_kind == "llvm" else {"kind": "cuda", "arch": "sm_90"}
-    )
+    target = tvm.target.Target({"kind": "llvm"} if target_kind == "llvm" else {"kind": "cuda", "arch": "sm_90"})
     common = [
         ("kv_cache_transpose_append", kvc._kv_cache_transpose_append(h_kv, d, dtype)),
         ("kv_cache_transpose_append_mla", kvc._kv_cache_transpose_append_mla(d, dtype)),
@@ -427,9 +425,7 @@ def render(rows, meta) -> str:
         )
     for r in rows:
         if "error" in r:
-            lines.append(
-                f"\n{r['impl']} batch {r['batch']} pool {r['capacity_factor']}x failed: {r['error']}"
-            )
+            lines.append(f"\n{r['impl']} batch {r['batch']} pool {r['capacity_factor']}x failed: {r['error']}")
     return "\n".join(lines) + "\n"
 
 

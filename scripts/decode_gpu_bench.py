@@ -145,9 +145,7 @@ def check_reference(spec, *, sliding, rope, kv_lens, windows, rng) -> str:
     page_indices = perm[: sum(npages)].copy() if sum(npages) else np.zeros(1, np.int32)
     last = np.array([L - (n - 1) * P if n else 0 for L, n in zip(kv_lens, npages, strict=True)], np.int32)
     dt = _np_dtype(spec.dtype)
-    pages = (
-        rng.standard_normal((num_pages, 2, spec.num_kv_heads, P, spec.head_dim)).astype(np.float32).astype(dt)
-    )
+    pages = rng.standard_normal((num_pages, 2, spec.num_kv_heads, P, spec.head_dim)).astype(np.float32).astype(dt)
     kv_window = np.array(windows if windows is not None else [(0, 0, 0)] * B, np.int32)
     q = rng.standard_normal((B, spec.num_qo_heads, spec.head_dim)).astype(np.float32).astype(dt)
     q_pos = np.array([max(L - 1, 0) + w[2] for L, w in zip(kv_lens, kv_window, strict=True)], np.int32)
@@ -193,9 +191,7 @@ def bench(torch) -> None:
     spec = BENCH
     H_qo, H_kv, D, P = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
     vdir = build_dir().parent / "variants"
-    kernels = {
-        "tvmkv": tvm.runtime.load_module(str(vdir / f"{_check_name(spec, False, False)}.so"))["paged_decode"]
-    }
+    kernels = {"tvmkv": tvm.runtime.load_module(str(vdir / f"{_check_name(spec, False, False)}.so"))["paged_decode"]}
     for name in [*VARIANTS, "generic"]:
         if (vdir / f"{name}.so").exists():
             kernels[name] = tvm.runtime.load_module(str(vdir / f"{name}.so"))["paged_decode"]
@@ -276,17 +272,13 @@ def main() -> int:
     import torch
 
     dev = tvm.cuda(0)
-    print(
-        f"device: {torch.cuda.get_device_name()} (compute {dev.compute_version}); torch {torch.__version__}"
-    )
+    print(f"device: {torch.cuda.get_device_name()} (compute {dev.compute_version}); torch {torch.__version__}")
     rng = np.random.default_rng(0)
     checks = check_cases()
     failed = 0
     for spec, sliding, rope, kv_lens, windows in checks:
         try:
-            line = check_reference(
-                spec, sliding=sliding, rope=rope, kv_lens=kv_lens, windows=windows, rng=rng
-            )
+            line = check_reference(spec, sliding=sliding, rope=rope, kv_lens=kv_lens, windows=windows, rng=rng)
         except Exception as err:  # noqa: BLE001 - report and go on to the timings
             line = f"FAIL {spec.tag}: {type(err).__name__}: {str(err)[:300]}"
         failed += line.startswith("FAIL")

@@ -250,9 +250,7 @@ def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False):
     o = to_dev(np.zeros_like(q), target)
     lse = to_dev(np.zeros((n, spec.num_qo_heads), np.float32), target)
     args = [q, k, v, q_indptr, q_pos, q_tree]
-    lib[f"ragged_prefill_{mask}"](
-        *[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA
-    )
+    lib[f"ragged_prefill_{mask}"](*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA)
     _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
 
 
@@ -310,9 +308,7 @@ def test_sliding_window(target, cfg, rng):
     q = _rand(rng, (B, spec.num_qo_heads, spec.head_dim), spec.dtype)
     q_pos = np.array([L - 1 + w[2] for L, w in zip(kv_lens, pg.kv_window, strict=True)], np.int32)
     sm_scale = 1.0 / math.sqrt(spec.head_dim)
-    o_ref, lse_ref = ref.paged_decode(
-        q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA, sliding=True
-    )
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA, sliding=True)
     o_full, lse_full = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA)
     assert not np.allclose(lse_ref[0], lse_full[0])  # the window matters in this case
     o = to_dev(np.zeros_like(q), target)
@@ -332,9 +328,7 @@ def test_inline_rope(target, cfg, rng):
     lib = _kernels(spec, rope=True, sliding=sliding)
     hist, new = [0, 30, 17, 64], [4, 6, 1, 3]
     for mask in ("causal", "tree"):
-        _run_paged_prefill(
-            target, spec, lib, mask, hist, new, rng=rng, sliding=sliding, rope=True, tree=mask == "tree"
-        )
+        _run_paged_prefill(target, spec, lib, mask, hist, new, rng=rng, sliding=sliding, rope=True, tree=mask == "tree")
     for mask in ("causal", "tree"):
         _run_ragged(target, spec, lib, mask, [5, 1, 12], rng=rng, rope=True)
     kv_lens = [1, 33, 70]

@@ -157,9 +157,7 @@ def test_dir_manifest_stays_consistent_with_concurrent_writers(tmp_path):
 
 def test_config_file_expansion_and_errors():
     defaults = dict(SMALL, rope_mode="none", sliding=False, target="cuda", arch="sm_90")
-    keys = build.expand_configs(
-        [{"dtype": ["float16", "float32"], "rope_mode": ["none", "inline"]}], defaults
-    )
+    keys = build.expand_configs([{"dtype": ["float16", "float32"], "rope_mode": ["none", "inline"]}], defaults)
     assert len(keys) == 4 and {k.arch for k in keys} == {"sm_90"}
     assert len(build.expand_configs([{}, {}], defaults)) == 1  # duplicates removed
     with pytest.raises(ValueError, match="unknown keys"):
@@ -176,9 +174,7 @@ def test_imports_blob_round_trip():
     tree += (1).to_bytes(8, "little") * 2
     table = (1).to_bytes(8, "little") + build._pack_str(b"k") + build._pack_str(b"k")  # {k: FunctionInfo}
     table += (1).to_bytes(8, "little") + bytes([3, 64, 1, 0])  # arg_types: one handle
-    table += (
-        (1).to_bytes(8, "little") + build._pack_str(b"threadIdx.x") + (1).to_bytes(8, "little") + bytes(4)
-    )
+    table += (1).to_bytes(8, "little") + build._pack_str(b"threadIdx.x") + (1).to_bytes(8, "little") + bytes(4)
     cuda = build._pack_str(b"fatbin") + table + build._pack_str(b"\xba\x55payload" + bytes(16))
     modules = [("_lib", None), ("cuda", cuda)]
     blob = build.pack_imports_blob(tree, modules)

@@ -56,9 +56,7 @@ def make_cache(
 @pytest.mark.parametrize("dtype,head_dim,rope_mode,group,page_size", CONFIGS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_replay(target, scenario, dtype, head_dim, rope_mode, group, page_size):
-    cache = make_cache(
-        target, dtype, head_dim, rope_mode, group, page_size, sliding=scenario in NEEDS_SLIDING
-    )
+    cache = make_cache(target, dtype, head_dim, rope_mode, group, page_size, sliding=scenario in NEEDS_SLIDING)
     r = Replayer(cache, seed=hash((scenario, head_dim, page_size)) % 1000)
     rows = r.run(SCENARIOS[scenario])
     assert len(rows) == len(SCENARIOS[scenario])
@@ -97,9 +95,7 @@ def assert_same(cache, before, start=0):
 @pytest.fixture
 def filled(target):
     """A cache with sequences 0 (21 tokens) and 1 (forked from 0 at 10, plus 3)."""
-    cache = make_cache(
-        target, "float32", 64, "none", 2, 8, num_pages=40, max_total_seq_len=256, prefill_chunk_size=512
-    )
+    cache = make_cache(target, "float32", 64, "none", 2, 8, num_pages=40, max_total_seq_len=256, prefill_chunk_size=512)
     rng = np.random.default_rng(1)
     cache.add_sequence(0)
     run_forward(cache, rng, [0], [21])

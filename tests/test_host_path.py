@@ -74,9 +74,7 @@ def test_back_to_back_forwards_match_model(target, cfg):
     for op in ops:
         if op[0] in ("fwd", "tree"):
             n = sum(x[1] if op[0] == "fwd" else len(x[1]) for x in op[1])
-            qkv = [
-                rng.uniform(-1, 1, (n, H_qo + 2 * H_kv, D)).astype(numpy_dtype(dtype)) for _ in range(layers)
-            ]
+            qkv = [rng.uniform(-1, 1, (n, H_qo + 2 * H_kv, D)).astype(numpy_dtype(dtype)) for _ in range(layers)]
             inputs.append([(q, tvm.runtime.tensor(q, dev)) for q in qkv])
     dev.sync()
     outputs, slots = [], []

@@ -89,9 +89,7 @@ def _run_split_rope(target, cfg, qkv, pos, rope_mode, scale, theta):
     q = to_dev(np.zeros((n, H_qo, D), NP_DTYPE[dtype]), target)
     k = to_dev(np.zeros((n, H_kv, D), NP_DTYPE[dtype]), target)
     v = to_dev(np.zeros((n, H_kv, D), NP_DTYPE[dtype]), target)
-    _kernels(target, cfg, rope_mode)["split_rope"](
-        to_dev(qkv, target), to_dev(pos, target), q, k, v, scale, theta
-    )
+    _kernels(target, cfg, rope_mode)["split_rope"](to_dev(qkv, target), to_dev(pos, target), q, k, v, scale, theta)
     return q.numpy(), k.numpy(), v.numpy()
 
 
@@ -104,9 +102,7 @@ def test_split_rope(target, cfg, rng):
     pos[:3] = [0, 1, 2]
     scale, theta = 0.5, 5e5
     q, k, v = _run_split_rope(target, cfg, qkv, pos, "normal", scale, theta)
-    q_ref, k_ref, v_ref = ref.split_rope_ref(
-        qkv, pos, H_qo, H_kv, rotate=True, rope_scale=scale, rope_theta=theta
-    )
+    q_ref, k_ref, v_ref = ref.split_rope_ref(qkv, pos, H_qo, H_kv, rotate=True, rope_scale=scale, rope_theta=theta)
     # fp32 angles: pos * inv_freq carries ~pos * 2^-22 absolute error, on top of the output rounding
     atol = (TOL[dtype] + 4 * 2.0**-23 * 4096 * scale) * np.abs(qkv.astype(np.float32)).max()
     np.testing.assert_allclose(q.astype(np.float64), q_ref, rtol=0, atol=atol)
@@ -122,18 +118,14 @@ def test_split_rope_large_positions(target, rng):
     qkv = _rand(rng, (len(pos), H_qo + 2 * H_kv, D), dtype)
     scale, theta = 1.0, 1e4
     q, k, v = _run_split_rope(target, cfg, qkv, pos, "normal", scale, theta)
-    q_ref, k_ref, _ = ref.split_rope_ref(
-        qkv, pos, H_qo, H_kv, rotate=True, rope_scale=scale, rope_theta=theta
-    )
+    q_ref, k_ref, _ = ref.split_rope_ref(qkv, pos, H_qo, H_kv, rotate=True, rope_scale=scale, rope_theta=theta)
     # absolute angle error of fp32 ~ angle * 2^-22 (pow and product roundings), per row
     atol = (1e-5 + 4 * 2.0**-23 * pos.astype(np.float64) * scale)[:, None, None] * np.abs(qkv).max()
     assert np.all(np.isfinite(q)) and np.all(np.isfinite(k))
     assert np.all(np.abs(q - q_ref) <= atol) and np.all(np.abs(k - k_ref) <= atol)
     # a rotation keeps each (i, i + D/2) pair's norm
     norm = lambda x: x[..., : D // 2] ** 2 + x[..., D // 2 :] ** 2  # noqa: E731
-    np.testing.assert_allclose(
-        norm(q.astype(np.float64)), norm(qkv[:, :H_qo].astype(np.float64)), rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(norm(q.astype(np.float64)), norm(qkv[:, :H_qo].astype(np.float64)), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[4]], ids=[CONFIG_IDS[4]])
@@ -216,9 +208,7 @@ def test_compact_copy(target, cfg, rng):
     indptr, src, dst = _tree_commit_segments(rng, P, num_pages, shapes)
     assert np.any(src != dst)
     pages_d = to_dev(pages, target)
-    _kernels(target, cfg)["compact_copy"](
-        pages_d, to_dev(indptr, target), to_dev(src, target), to_dev(dst, target)
-    )
+    _kernels(target, cfg)["compact_copy"](pages_d, to_dev(indptr, target), to_dev(src, target), to_dev(dst, target))
     _assert_bits_equal(pages_d.numpy(), ref.compact_copy_ref(pages, indptr, src, dst))
 
 
@@ -231,9 +221,7 @@ def test_compact_copy_shift_chain(target, rng):
     indptr = np.array([0, 0, len(chain) - 1, len(chain) - 1], np.int32)  # empty, chain, empty
     src, dst = chain[1:], chain[:-1]
     pages_d = to_dev(pages, target)
-    _kernels(target, cfg)["compact_copy"](
-        pages_d, to_dev(indptr, target), to_dev(src, target), to_dev(dst, target)
-    )
+    _kernels(target, cfg)["compact_copy"](pages_d, to_dev(indptr, target), to_dev(src, target), to_dev(dst, target))
     out = pages_d.numpy()
     expected = pages.copy()
     expected[chain[:-1]] = pages[chain[1:]]  # each slot took its successor's original value

@@ -101,9 +101,7 @@ class PageShadow:
 
     def slide(self, sid, length: int, kept_pos) -> None:
         held = set((np.asarray(kept_pos, np.int64) // self.P).tolist())
-        self.blocks[sid] = {
-            i: b for i, b in self.blocks[sid].items() if i in held or (i + 1) * self.P > length
-        }
+        self.blocks[sid] = {i: b for i, b in self.blocks[sid].items() if i in held or (i + 1) * self.P > length}
 
 
 # ------------------------------------------------------------------------------------------ the runner
@@ -275,10 +273,7 @@ class StatefulRunner:
                 errs.add(KeyError)
             if len(set(ids)) != len(ids):
                 errs.add(ValueError)
-            if any(
-                s in seqs and not -1 <= leaf < self.tree_nodes(s)
-                for s, leaf in zip(ids, leaves, strict=False)
-            ):
+            if any(s in seqs and not -1 <= leaf < self.tree_nodes(s) for s, leaf in zip(ids, leaves, strict=False)):
                 errs.add(ValueError)
         elif kind in ("end", "attn"):
             errs.add(ForwardStateError)
@@ -297,9 +292,7 @@ class StatefulRunner:
             cache.end_forward()
         elif kind == "attn":
             cfg = self.cfg
-            cache.attention_with_fused_qkv(
-                0, np.zeros((1, cfg.qkv_heads, cfg.head_dim), numpy_dtype(cfg.dtype))
-            )
+            cache.attention_with_fused_qkv(0, np.zeros((1, cfg.qkv_heads, cfg.head_dim), numpy_dtype(cfg.dtype)))
         elif kind == "midfwd":
             self.driver.inject = self._injector(op[2])
             try:
@@ -422,9 +415,7 @@ class StatefulRunner:
             raise Mismatch(f"{op}: sequence ids {sorted(cache.sequence_ids())} != {sorted(self.model.seqs)}")
         for sid in self.model.seqs:
             if cache.sequence_length(sid) != self.length(sid):
-                raise Mismatch(
-                    f"{op}: length of {sid} is {cache.sequence_length(sid)}, want {self.length(sid)}"
-                )
+                raise Mismatch(f"{op}: length of {sid} is {cache.sequence_length(sid)}, want {self.length(sid)}")
         if force_kv or self.steps % self.kv_every == 0:
             try:
                 self.driver.check_kv()
@@ -810,9 +801,7 @@ def _run_or_shrink(cache, seed, num_ops):
         pytest.fail(f"{err}\n\nshrunk counterexample ({len(small)} ops):\n{small!r}")
 
 
-@pytest.mark.parametrize(
-    "page_size,num_pages,rope,hq,hkv,layers,sliding,batch,chunk,num_ops,seed", CI_CONFIGS
-)
+@pytest.mark.parametrize("page_size,num_pages,rope,hq,hkv,layers,sliding,batch,chunk,num_ops,seed", CI_CONFIGS)
 def test_random_operations(page_size, num_pages, rope, hq, hkv, layers, sliding, batch, chunk, num_ops, seed):
     cache = make_cache(
         page_size=page_size,

@@ -384,9 +384,7 @@ def extract_fatbin(path: Path | str) -> bytes:
         if kind == "cuda":
             fmt, _table, payload = split_cuda_module_bytes(data)
             if fmt == "cuda":
-                raise ValueError(
-                    f"{path} holds CUDA source, not compiled code; rebuild it with nvcc available"
-                )
+                raise ValueError(f"{path} holds CUDA source, not compiled code; rebuild it with nvcc available")
             return payload
     raise ValueError(f"{path} has no CUDA module")
 
@@ -651,9 +649,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         type=Path,
-        help="JSON file: a list of dicts with keys from "
-        + ", ".join(_CONFIG_KEYS)
-        + " (list values expand); "
+        help="JSON file: a list of dicts with keys from " + ", ".join(_CONFIG_KEYS) + " (list values expand); "
         "keys left out take the command-line values",
     )
     p.add_argument("--build-dir", type=Path, default=None, help=f"default {DEFAULT_BUILD_DIR}")
@@ -681,9 +677,7 @@ def main(argv=None) -> int:
         if args.config is not None:
             entries = json.loads(args.config.read_text())
             if args.arch is not None:  # the command line's --arch wins over the file's
-                entries = [
-                    {**e, "arch": archs} for e in (entries if isinstance(entries, list) else [entries])
-                ]
+                entries = [{**e, "arch": archs} for e in (entries if isinstance(entries, list) else [entries])]
             keys = expand_configs(entries, defaults)
         else:
             keys = expand_configs([{}], defaults)

@@ -188,10 +188,7 @@ def generate(
     seqs = {r.seq_id: _Seq(r.seq_id, list(r.prompt), len(r.prompt), r.max_new_tokens) for r in requests}
     order = [r.seq_id for r in requests]
     steps, failures, worst = [], [], None
-    log(
-        f"{'step':>4}  {'batch (seq[start:end])':<44} {'tok':>4} {'ms':>7} {'pages used/free':>15}  "
-        "max|dlogit|"
-    )
+    log(f"{'step':>4}  {'batch (seq[start:end])':<44} {'tok':>4} {'ms':>7} {'pages used/free':>15}  max|dlogit|")
     step = 0
     while any(not s.done for s in seqs.values()):
         # ---- schedule: every running decode, then prompt chunks up to the token budget
@@ -362,8 +359,7 @@ def main(argv=None) -> int:
         page_size=args.page_size,
     )
     print(
-        f"[tvmkv generate] {cfg}\n  target={args.target}{' ' + arch if arch else ''} "
-        f"interface={args.interface} {sizes}"
+        f"[tvmkv generate] {cfg}\n  target={args.target}{' ' + arch if arch else ''} interface={args.interface} {sizes}"
     )
     t0 = time.perf_counter()
     if args.model_lib:

@@ -170,12 +170,8 @@ class Replayer:
         )
         self.rng = np.random.default_rng(seed)
         tight = cfg.dtype == "float32"
-        self.atol = (
-            atol if atol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)
-        )
-        self.rtol = (
-            rtol if rtol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)
-        )
+        self.atol = atol if atol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)
+        self.rtol = rtol if rtol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)
         self.initial_free = cache.num_available_pages()
 
     def run(self, ops, on_row=None) -> list:
@@ -231,8 +227,7 @@ class Replayer:
             model.commit(ids, leaves)
         else:
             raise ValueError(
-                f"unknown replay operation {op[0]!r}; expected one of add/remove/fork/pop/window/"
-                "fwd/tree/commit"
+                f"unknown replay operation {op[0]!r}; expected one of add/remove/fork/pop/window/fwd/tree/commit"
             )
         return 0.0, 0, 0
 

@@ -131,13 +131,9 @@ class CacheModel:
                 hist_k = np.concatenate([s.k[layer], s.tk[layer][:old_tree]])
                 hist_v = np.concatenate([s.v[layer], s.tv[layer][:old_tree]])
                 hist_pos = np.concatenate([s.pos, s.length + depth[:old_tree]])
-                visible_new = np.array(
-                    [[anc[old_tree + i][old_tree + j] for j in range(n)] for i in range(n)]
-                )
+                visible_new = np.array([[anc[old_tree + i][old_tree + j] for j in range(n)] for i in range(n)])
                 new_pos = qpos
-            stored_k = (
-                self._round(rope_np(k, new_pos, self.scale, self.theta)) if self.rope_mode == "normal" else k
-            )
+            stored_k = self._round(rope_np(k, new_pos, self.scale, self.theta)) if self.rope_mode == "normal" else k
             # store this layer's new K/V
             if fwd["parents"] is None:
                 self._stash(s, layer, stored_k, v)

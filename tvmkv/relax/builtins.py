@@ -206,9 +206,7 @@ class TvmBuiltinOverride:
         register()
         tvm_ffi.register_global_func(CREATE, self._create, override=True)
         for name in _SUPPORTED:
-            tvm_ffi.register_global_func(
-                name, _dispatching(name, impls[name], self._originals[name]), override=True
-            )
+            tvm_ffi.register_global_func(name, _dispatching(name, impls[name], self._originals[name]), override=True)
         for name, why in UNSUPPORTED.items():
             tvm_ffi.register_global_func(
                 name, _dispatching(name, _unsupported(name, why), self._originals[name]), override=True

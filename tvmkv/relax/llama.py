@@ -44,9 +44,7 @@ class LlamaConfig:
 
     def __post_init__(self):
         if self.num_qo_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_qo_heads={self.num_qo_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_qo_heads={self.num_qo_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.dtype not in ("float32", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'float16'")
 
@@ -100,9 +98,7 @@ def target_of(target_kind: str, cuda_arch: str | None = None):
     raise ValueError(f"target={target_kind!r} must be 'llvm' or 'cuda'")
 
 
-def compile_llama(
-    cfg: LlamaConfig, *, interface: str = "tvmkv", target: str = "llvm", cuda_arch: str | None = None
-):
+def compile_llama(cfg: LlamaConfig, *, interface: str = "tvmkv", target: str = "llvm", cuda_arch: str | None = None):
     """Export and compile the model; returns ``(executable, param_names)``.
 
     ``param_names`` lists the weights in the order the compiled ``forward`` takes them (keys of
@@ -172,9 +168,7 @@ class RelaxLlama:
         "tvmkv" or "tvm" (what the executable was compiled for).
     """
 
-    def __init__(
-        self, executable, param_names, weights, cfg: LlamaConfig, device, *, interface: str = "tvmkv"
-    ):
+    def __init__(self, executable, param_names, weights, cfg: LlamaConfig, device, *, interface: str = "tvmkv"):
         import tvm
         from tvm.runtime.vm import VirtualMachine  # no compiler needed (runtime-only TVM on a GPU machine)
 

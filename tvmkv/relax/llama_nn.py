@@ -80,9 +80,7 @@ class TinyLlama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
-        self.lm_head = nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, out_dtype="float32"
-        )
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, out_dtype="float32")
 
     def forward(self, input_ids: nn.Tensor, paged_kv_cache) -> nn.Tensor:
         x = self.embed_tokens(input_ids)  # [1, n, H]

@@ -119,8 +119,18 @@ _MIRROR_VIEW = attrgetter("mirror.view")
 # Index arrays of a forward in the order they are packed into the upload buffer (docs/layout.md).
 # page_indices comes last: its length changes from step to step, the others' offsets depend only on
 # (B, n, tree nodes), so their device views are reused across steps of the same shape.
-_PACKED = ("q_indptr", "q_pos", "slots", "page_indptr", "last_page_len", "kv_window", "q_tree",
-           "kv_tree_indptr", "kv_tree", "kv_tree_start")
+_PACKED = (
+    "q_indptr",
+    "q_pos",
+    "slots",
+    "page_indptr",
+    "last_page_len",
+    "kv_window",
+    "q_tree",
+    "kv_tree_indptr",
+    "kv_tree",
+    "kv_tree_start",
+)
 
 
 def _layout(B: int, total: int, m: int) -> tuple:
@@ -236,10 +246,27 @@ class PagedAttentionKVCache:
         Where compiled kernels are cached (default ``build/``).
     """
 
-    def __init__(self, num_layers, num_qo_heads, num_kv_heads, head_dim, *, page_size=16, max_batch_size=32,
-                 max_total_seq_len=2048, prefill_chunk_size=512, dtype="float16", rope_mode="none",
-                 rope_scale=1.0, rope_theta=1e4, support_sliding_window=False, target="llvm", num_pages=None,
-                 memory_fraction=None, build_dir=None):
+    def __init__(
+        self,
+        num_layers,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        *,
+        page_size=16,
+        max_batch_size=32,
+        max_total_seq_len=2048,
+        prefill_chunk_size=512,
+        dtype="float16",
+        rope_mode="none",
+        rope_scale=1.0,
+        rope_theta=1e4,
+        support_sliding_window=False,
+        target="llvm",
+        num_pages=None,
+        memory_fraction=None,
+        build_dir=None,
+    ):
         import tvm
 
         from ..build import load_kernels
@@ -264,11 +291,21 @@ class PagedAttentionKVCache:
                     f"{max_total_seq_len} needs; raise memory_fraction or lower max_total_seq_len"
                 )
         self.config = CacheConfig(
-            num_layers=num_layers, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            page_size=page_size, max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size, dtype=dtype, rope_mode=rope_mode,
-            rope_scale=float(rope_scale), rope_theta=float(rope_theta),
-            support_sliding_window=bool(support_sliding_window), target_kind=kind, cuda_arch=arch,
+            num_layers=num_layers,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            dtype=dtype,
+            rope_mode=rope_mode,
+            rope_scale=float(rope_scale),
+            rope_theta=float(rope_theta),
+            support_sliding_window=bool(support_sliding_window),
+            target_kind=kind,
+            cuda_arch=arch,
             num_pages=num_pages,
         )
         cfg = self.config
@@ -281,8 +318,9 @@ class PagedAttentionKVCache:
                 f"layers) but the device has {free_bytes / 2**30:.2f} GiB free; lower num_pages / "
                 "max_total_seq_len or use memory_fraction"
             )
-        self._kernels = load_kernels(cfg.kernel_spec, rope_mode=cfg.rope_mode, sliding=cfg.support_sliding_window,
-                                     arch=arch, build_dir=build_dir)
+        self._kernels = load_kernels(
+            cfg.kernel_spec, rope_mode=cfg.rope_mode, sliding=cfg.support_sliding_window, arch=arch, build_dir=build_dir
+        )
         shape = (cfg.total_pages, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
         zeros = np.zeros(shape, tensors.numpy_dtype(cfg.dtype))
         self.pages = [tvm.runtime.tensor(zeros, self.device) for _ in range(cfg.num_layers)]
@@ -353,8 +391,9 @@ class PagedAttentionKVCache:
         full, partial = divmod(fork_pos, P)
         if partial and not self._free:
             raise OutOfPagesError(1, 0, f"fork of sequence {parent_seq_id} at {fork_pos}")
-        child = _Sequence(window=parent.window, sink=parent.sink, sink_end=parent.sink_end,
-                          window_start=parent.sink_end)
+        child = _Sequence(
+            window=parent.window, sink=parent.sink, sink_end=parent.sink_end, window_start=parent.sink_end
+        )
         child.pages = parent.pages[:full]
         self._ref[child.pages] += 1
         if partial:
@@ -510,8 +549,15 @@ class PagedAttentionKVCache:
             kernel = "ragged_prefill_causal"
         else:
             kernel = "paged_prefill_causal"
-        self._fwd = self._bind(seq_ids, lengths, total, kernel, [seqs[i] for i in windowed.tolist()],
-                               dev=self._upload(plan), scratch=self._scratch(total))
+        self._fwd = self._bind(
+            seq_ids,
+            lengths,
+            total,
+            kernel,
+            [seqs[i] for i in windowed.tolist()],
+            dev=self._upload(plan),
+            scratch=self._scratch(total),
+        )
 
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Append this layer's new K/V and compute attention for the tokens of the open forward.
@@ -624,9 +670,7 @@ class PagedAttentionKVCache:
         end_pos = seq.length if end_pos is None else _as_int(end_pos, "end_pos")
         start_pos = _as_int(start_pos, "start_pos")
         if not 0 <= start_pos <= end_pos <= seq.length:
-            raise ValueError(
-                f"range [{start_pos}, {end_pos}) is not inside sequence {seq_id} of length {seq.length}"
-            )
+            raise ValueError(f"range [{start_pos}, {end_pos}) is not inside sequence {seq_id} of length {seq.length}")
         P = self.config.page_size
         pos = np.arange(start_pos, end_pos)
         slot = np.where(pos < seq.sink_end, pos, pos - seq.pos_offset)
@@ -902,9 +946,18 @@ class PagedAttentionKVCache:
         """The :class:`_Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
         cfg, d, s = self.config, dev, scratch
         rope = (cfg.rope_scale, cfg.rope_theta)
-        fwd = _Forward(seq_ids=seq_ids, lengths=lengths, total=total, kernel=kernel, slides=slides, dev=dev,
-                       scratch=scratch, split=(d["q_pos"], s["q"], s["k"], s["v"], *rope),
-                       append=(s["k"], s["v"], d["slots"]), attn_end=(s["lse"], *rope))
+        fwd = _Forward(
+            seq_ids=seq_ids,
+            lengths=lengths,
+            total=total,
+            kernel=kernel,
+            slides=slides,
+            dev=dev,
+            scratch=scratch,
+            split=(d["q_pos"], s["q"], s["k"], s["v"], *rope),
+            append=(s["k"], s["v"], d["slots"]),
+            attn_end=(s["lse"], *rope),
+        )
         if kernel == "paged_decode":
             fwd.attn_head = (s["q"], d["q_pos"])
             fwd.attn_tail = (d["page_indptr"], d["page_indices"], d["last_page_len"], d["kv_window"])
@@ -913,8 +966,16 @@ class PagedAttentionKVCache:
             fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])
         else:
             fwd.attn_head = (s["q"], d["q_indptr"], d["q_pos"])
-            fwd.attn_tail = (d["page_indptr"], d["page_indices"], d["last_page_len"], d["kv_window"],
-                             d["q_tree"], d["kv_tree_indptr"], d["kv_tree"], d["kv_tree_start"])
+            fwd.attn_tail = (
+                d["page_indptr"],
+                d["page_indices"],
+                d["last_page_len"],
+                d["kv_window"],
+                d["q_tree"],
+                d["kv_tree_indptr"],
+                d["kv_tree"],
+                d["kv_tree_start"],
+            )
         return fwd
 
     def _check_array(self, x, name: str, shape: tuple) -> str:

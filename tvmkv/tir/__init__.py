@@ -26,15 +26,9 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
     return {
         "append": append.make_append(spec),
         "split_rope": rope.make_split_rope(spec, rotate=rope_mode == "normal"),
-        "paged_prefill_none": prefill.make_paged_prefill(
-            spec, mask="none", sliding=sliding, inline_rope=inline
-        ),
-        "paged_prefill_causal": prefill.make_paged_prefill(
-            spec, mask="causal", sliding=sliding, inline_rope=inline
-        ),
-        "paged_prefill_tree": prefill.make_paged_prefill(
-            spec, mask="tree", sliding=sliding, inline_rope=inline
-        ),
+        "paged_prefill_none": prefill.make_paged_prefill(spec, mask="none", sliding=sliding, inline_rope=inline),
+        "paged_prefill_causal": prefill.make_paged_prefill(spec, mask="causal", sliding=sliding, inline_rope=inline),
+        "paged_prefill_tree": prefill.make_paged_prefill(spec, mask="tree", sliding=sliding, inline_rope=inline),
         "paged_decode": decode.make_paged_decode(spec, sliding=sliding, inline_rope=inline),
         "ragged_prefill_causal": ragged.make_ragged_prefill(spec, mask="causal", inline_rope=inline),
         "ragged_prefill_tree": ragged.make_ragged_prefill(spec, mask="tree", inline_rope=inline),

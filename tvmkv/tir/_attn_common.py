@@ -229,10 +229,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
     def tree_reduce(terms, op):
         # op over ``terms`` as a balanced tree (independent operations, unlike a serial loop)
         while len(terms) > 1:
-            terms = [
-                op(terms[k], terms[k + 1]) if k + 1 < len(terms) else terms[k]
-                for k in range(0, len(terms), 2)
-            ]
+            terms = [op(terms[k], terms[k + 1]) if k + 1 < len(terms) else terms[k] for k in range(0, len(terms), 2)]
         return terms[0]
 
     def chains(terms, n):
@@ -365,22 +362,19 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                     kp[0] = T.Cast("float32", q_pos[T.min(r0 + r, r1 - 1)])
                     for d in T.serial(HALF):
                         Q[r * group + g, d] = (
-                            T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d])
-                            * T.cos(kp[0] * fr[d])
+                            T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * T.cos(kp[0] * fr[d])
                             - T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d + HALF])
                             * T.sin(kp[0] * fr[d])
                         ) * (sm_scale * T.float32(LOG2E))
                         Q[r * group + g, d + HALF] = (
-                            T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d + HALF])
-                            * T.cos(kp[0] * fr[d])
-                            + T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d])
-                            * T.sin(kp[0] * fr[d])
+                            T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d + HALF]) * T.cos(kp[0] * fr[d])
+                            + T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * T.sin(kp[0] * fr[d])
                         ) * (sm_scale * T.float32(LOG2E))
                 else:
                     for d in T.vectorized(D):
-                        Q[r * group + g, d] = T.Cast(
-                            "float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]
-                        ) * (sm_scale * T.float32(LOG2E))
+                        Q[r * group + g, d] = T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * (
+                            sm_scale * T.float32(LOG2E)
+                        )
         for t in T.serial((sq[7] + C - 1) // C):
             cpu_keys(t)
             # S = Q K^T: MR x CR (query, key) pairs at a time, each a VL-lane partial sum over D
@@ -436,9 +430,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                         lse[r0 + r, hk * group + g] = T.float32(neg_inf)
                     else:
                         for d in out_loop(D):
-                            o[r0 + r, hk * group + g, d] = T.Cast(
-                                dtype, O[r * group + g, d] / d_sum[r * group + g]
-                            )
+                            o[r0 + r, hk * group + g, d] = T.Cast(dtype, O[r * group + g, d] / d_sum[r * group + g])
                         lse[r0 + r, hk * group + g] = m[r * group + g] + T.log2(d_sum[r * group + g])
 
     @_macro
@@ -540,9 +532,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                             * T.sin(T.Cast("float32", q_pos[i]) * Fs[r * WARP + tx - HALF])
                         ) * (sm_scale * T.float32(LOG2E))
                 else:
-                    Qs[ty, r * WARP + tx] = T.Cast("float32", q[i, h, r * WARP + tx]) * (
-                        sm_scale * T.float32(LOG2E)
-                    )
+                    Qs[ty, r * WARP + tx] = T.Cast("float32", q[i, h, r * WARP + tx]) * (sm_scale * T.float32(LOG2E))
         st[0] = T.float32(neg_inf)
         st[1] = T.float32(0)
         T.tvm_storage_sync("shared")
@@ -559,12 +549,10 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                         for d in T.serial(HALF):
                             st[2] = st[2] + Qs[ty, d] * (
                                 k_at(K_src, kinfo[1], hk, d) * T.cos(T.Cast("float32", kinfo[2]) * Fs[d])
-                                - k_at(K_src, kinfo[1], hk, d + HALF)
-                                * T.sin(T.Cast("float32", kinfo[2]) * Fs[d])
+                                - k_at(K_src, kinfo[1], hk, d + HALF) * T.sin(T.Cast("float32", kinfo[2]) * Fs[d])
                             )
                             st[2] = st[2] + Qs[ty, d + HALF] * (
-                                k_at(K_src, kinfo[1], hk, d + HALF)
-                                * T.cos(T.Cast("float32", kinfo[2]) * Fs[d])
+                                k_at(K_src, kinfo[1], hk, d + HALF) * T.cos(T.Cast("float32", kinfo[2]) * Fs[d])
                                 + k_at(K_src, kinfo[1], hk, d) * T.sin(T.Cast("float32", kinfo[2]) * Fs[d])
                             )
                     else:

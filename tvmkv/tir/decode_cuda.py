@@ -266,9 +266,7 @@ def make_paged_decode_cuda(
         # ---- q (pre-scaled, rotated once) and the running state
         if rope:
             for e in T.unroll(E):
-                fr[e] = rope_scale / T.pow(
-                    rope_theta, T.Cast("float32", 2 * ((lt * E + e) % HALF)) / T.float32(D)
-                )
+                fr[e] = rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * ((lt * E + e) % HALF)) / T.float32(D))
         for g in T.unroll(GQ):
             m[g] = T.float32(neg_inf)
             l_sum[g] = T.float32(0)
@@ -277,15 +275,13 @@ def make_paged_decode_cuda(
                 if rope:
                     if lt < HT:
                         Qr[g, e] = (
-                            T.Cast("float32", q[b, h0 + g, lt * E + e])
-                            * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
+                            T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
                             - T.Cast("float32", q[b, h0 + g, lt * E + e + HALF])
                             * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
                         ) * (sm_scale * T.float32(LOG2E))
                     else:
                         Qr[g, e] = (
-                            T.Cast("float32", q[b, h0 + g, lt * E + e])
-                            * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
+                            T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
                             + T.Cast("float32", q[b, h0 + g, lt * E + e - HALF])
                             * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
                         ) * (sm_scale * T.float32(LOG2E))

@@ -98,9 +98,7 @@ def make_merge_state(spec: KernelSpec):
                                 st[0] = T.exp2(st[3] - st[2])
                                 st[1] = T.exp2(st[4] - st[2])
                             o_a[i, h, d] = T.cast(
-                                T.if_then_else(
-                                    st[3] == NEG_INF, T.float32(0), T.cast(o_a[i, h, d], "float32") * st[0]
-                                )
+                                T.if_then_else(st[3] == NEG_INF, T.float32(0), T.cast(o_a[i, h, d], "float32") * st[0])
                                 + T.if_then_else(
                                     st[4] == NEG_INF, T.float32(0), T.cast(o_b[i, h, d], "float32") * st[1]
                                 ),

@@ -8,9 +8,7 @@ from .spec import KernelSpec
 PREFILL_MASKS = ("none", "causal", "tree")
 
 
-def make_paged_prefill(
-    spec: KernelSpec, *, mask: str = "causal", sliding: bool = False, inline_rope: bool = False
-):
+def make_paged_prefill(spec: KernelSpec, *, mask: str = "causal", sliding: bool = False, inline_rope: bool = False):
     """Attention of ragged queries over paged K/V (history + this forward's tokens, already appended).
 
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)

@@ -79,9 +79,7 @@ def make_split_rope(spec: KernelSpec, *, rotate: bool):
                     for d in T.vectorized(D2):
                         if rotate:
                             y = T.meta_var(
-                                rope_pair(
-                                    qkv[i, h, d], qkv[i, h, d + D2], pos[i], d, D, rope_scale, rope_theta
-                                )
+                                rope_pair(qkv[i, h, d], qkv[i, h, d + D2], pos[i], d, D, rope_scale, rope_theta)
                             )
                             q[i, h, d] = T.cast(y[0], dtype)
                             q[i, h, d + D2] = T.cast(y[1], dtype)
