@@ -57,7 +57,8 @@ class _Sequence:
 
     @property
     def committed_length(self) -> int:
-        return self.position(self.tree_start) if self.tree_start >= self.sink_end else self.tree_start
+        """Logical length of the committed tokens (slid-out tokens count)."""
+        return self.position(self.tree_start)
 
     @property
     def length(self) -> int:
