@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run on the GPU machine (carry: .devpayload and build/cuda-sm_90, made by scripts/make_gpu_payload.sh).
+# Run on the GPU machine (carry what scripts/make_gpu_payload.sh prints: .devpayload and build/*).
 # Every check tvmkv has for CUDA, each step logged to $OUT (or /tmp/tvmkv_gpu): the gpu-marked kernel and
 # cache tests, replays of every scenario, a short soak, and the tiny Llama through both Relax routes.
 set -uo pipefail
@@ -30,6 +30,7 @@ step soak python3 -c "$soak" --target cuda --ops "${SOAK_OPS:-3000}" --json "$ou
 runner='import sys, tvm_cuda_runtime; from tvmkv.generate import main; sys.exit(main(sys.argv[1:]))'
 step generate python3 -c "$runner" --target cuda --model-lib build/cuda-sm_90/models/tiny_llama.so
 step generate_tvm python3 -c "$runner" --target cuda --interface tvm --model-lib build/cuda-sm_90/models/tiny_llama_tvm.so
+step generate_fp16 python3 -c "$runner" --target cuda --dtype float16 --model-lib build/cuda-sm_90/models/tiny_llama_fp16.so
 step host_path python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_host_path.py
 if [ -z "${NO_BENCH:-}" ]; then  # issue 4/5 measurements (need build/tvm-cuda-sm_90, build/host-stubs-cuda)
   TAIL=30 step bench_gpu python3 bench/gpu.py --tvm-lib build/tvm-cuda-sm_90 --out "$out"

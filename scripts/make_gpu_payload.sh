@@ -38,17 +38,29 @@ fi
 cp "$root/scripts/gpu_smoke.py" "$out/"
 echo "== kernel sets for cuda $arch from $config"
 "$py" -m tvmkv build --target cuda --arch "$arch" --config "$config" -j "$jobs"
+echo "== tiny Llama model libraries (tvmkv generate --model-lib) -> build/cuda-$arch/models"
+models=$root/build/cuda-$arch/models
+mkdir -p "$models"
+for spec in "tiny_llama:--dtype float32" "tiny_llama_tvm:--dtype float32 --interface tvm" \
+            "tiny_llama_fp16:--dtype float16"; do
+  name=${spec%%:*}
+  [ -f "$models/$name.so" ] || (cd "$root" && "$py" -m tvmkv generate --target cuda --cuda-arch "$arch" \
+      ${spec#*:} --export-lib "$models/$name.so" | tail -n 1)
+done
+echo "== baselines for bench/gpu.py and bench/host.py"
+[ -f "$root/build/tvm-cuda-$arch/tvm_kv_cache.so" ] || (cd "$root" && "$py" bench/gpu.py --prepare "build/tvm-cuda-$arch")
+[ -d "$root/build/host-stubs-cuda" ] || (cd "$root" && "$py" bench/host.py --prepare build/host-stubs-cuda --target cuda)
 echo "== sizes"
-du -sh "$out" "$root/build/cuda-$arch"
-total_kib=$(du -sk "$out" "$root/build/cuda-$arch" | awk '{s += $1} END {print s}')
+carried=("$out" "$root/build/cuda-$arch" "$root/build/tvm-cuda-$arch" "$root/build/host-stubs-cuda")
+du -sh "${carried[@]}"
+total_kib=$(du -sk "${carried[@]}" | awk '{s += $1} END {print s}')
 echo "total carried: $((total_kib / 1024)) MiB (limit 64 MiB)"
 if [ "$total_kib" -gt $((64 * 1024)) ]; then
   echo "error: .devpayload + build/cuda-$arch exceed 64 MiB; trim $config or use --no-wheels" >&2
   exit 1
 fi
 cat <<MSG
-carry: [".devpayload", "build/cuda-$arch"]
-GPU command (one call):
-  source .devpayload/setup.sh && python3 .devpayload/gpu_smoke.py build/cuda-$arch && \\
-  TVMKV_PAYLOAD=\$PWD/.devpayload TVM_USE_RUNTIME_LIB=1 TVMKV_CUDA_ARCH=$arch python3 -m pytest -m gpu -q -x
+carry: [".devpayload", "build/cuda-$arch", "build/tvm-cuda-$arch", "build/host-stubs-cuda"]
+GPU command (one call; logs and benchmark results land in \$OUT):
+  bash scripts/gpu_suite.sh
 MSG

@@ -46,7 +46,14 @@ def _elem_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
-def decode_layout(spec: KernelSpec, num_warps: int = DEFAULT_WARPS, unroll: int | None = None):
+def decode_layout(
+    spec: KernelSpec,
+    num_warps: int = DEFAULT_WARPS,
+    unroll: int | None = None,
+    max_tpk: int = WARP,
+    reg_floats: int = REG_FLOATS,
+    load_bytes: int = LOAD_BYTES,
+):
     """Static thread layout of the fast path, or ``None`` where it does not apply.
 
     Returns a dict: VEC (elements per 16-byte load), TPK (lanes per key), E (elements per lane),
@@ -59,13 +66,13 @@ def decode_layout(spec: KernelSpec, num_warps: int = DEFAULT_WARPS, unroll: int 
         return None
     chunks = D // vec
     tpk = 1
-    while tpk < WARP and chunks % (tpk * 2) == 0:
+    while tpk < min(WARP, max_tpk) and chunks % (tpk * 2) == 0:
         tpk *= 2
     E = D // tpk
-    if tpk < 2 or E > REG_FLOATS:
+    if tpk < 2 or E > reg_floats:
         return None
-    U = unroll if unroll is not None else max(1, min(8, LOAD_BYTES // (E * eb)))
-    cap = max(1, min(REG_FLOATS // E, SMEM_FLOATS // (num_warps * D)))
+    U = unroll if unroll is not None else max(1, min(8, load_bytes // (E * eb)))
+    cap = max(1, min(reg_floats // E, SMEM_FLOATS // (num_warps * D)))
     GQ = max(x for x in range(1, min(group, cap) + 1) if group % x == 0)
     return {"VEC": vec, "TPK": tpk, "E": E, "KPW": WARP // tpk, "U": U, "GQ": GQ, "NW": num_warps}
 
@@ -78,6 +85,9 @@ def make_paged_decode_cuda(
     num_warps: int = DEFAULT_WARPS,
     unroll: int | None = None,
     double_buffer: bool = False,
+    max_tpk: int = WARP,
+    reg_floats: int = REG_FLOATS,
+    load_bytes: int = LOAD_BYTES,
 ):
     """The CUDA ``paged_decode`` PrimFunc (same signature as ``decode.make_paged_decode``).
 
@@ -85,7 +95,7 @@ def make_paged_decode_cuda(
     the defaults are what the runtime uses. ``double_buffer`` (experimental) issues tile t+1's
     K/V loads into a second register buffer before computing tile t.
     """
-    lay = decode_layout(spec, num_warps, unroll)
+    lay = decode_layout(spec, num_warps, unroll, max_tpk, reg_floats, load_bytes)
     if lay is None:
         from ._attn_common import build_attention
 
