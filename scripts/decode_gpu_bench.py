@@ -40,14 +40,21 @@ from tvmkv.tir.spec import KernelSpec  # noqa: E402
 
 BENCH = KernelSpec(32, 8, 128, 16, "float16", "cuda")
 SHAPES = [(1, 1024), (32, 1024), (64, 4096), (128, 4096), (256, 2048)]
-# tuning variants of the bench configuration: name -> (warps per block, keys per lane group, double buffer)
+# tuning variants of the bench configuration:
+# name -> (warps per block, keys per lane group, double buffer, other make_paged_decode_cuda knobs);
+# "stages": depth of the cp.async K/V ring in shared memory (1: loads into registers)
 VARIANTS = {
-    "nw4_u4": (4, 4, False),
-    "nw16_u4": (16, 4, False),
-    "db_nw8_u2": (8, 2, True),
-    "db_nw8_u4": (8, 4, True),
-    "db_nw4_u4": (4, 4, True),
-    "db_nw16_u2": (16, 2, True),
+    "regs_nw8_u4": (8, 4, False, {"stages": 1}),
+    "regs_nw4_u4": (4, 4, False, {"stages": 1}),
+    "db_nw4_u4": (4, 4, True, {}),
+    "cp2_nw8_u4": (8, 4, False, {"stages": 2}),
+    "cp3_nw4_u4": (4, 4, False, {"stages": 3}),
+    "cp4_nw4_u4": (4, 4, False, {"stages": 4}),
+    "cp6_nw4_u4": (4, 4, False, {"stages": 6}),
+    "cp3_nw8_u2": (8, 2, False, {"stages": 3}),
+    "cp6_nw8_u2": (8, 2, False, {"stages": 6}),
+    "cp4_nw4_u8": (4, 8, False, {"stages": 4}),
+    "cp3_nw2_u4": (2, 4, False, {"stages": 3}),
 }
 ROPE_SCALE, ROPE_THETA = 1.0, 10000.0
 # the decode configurations of tests/test_attention_kernels.py (dtype, D, P, group[, sliding])
@@ -107,8 +114,8 @@ def prepare(arch: str) -> None:
     out = build_dir().parent / "variants"
     out.mkdir(parents=True, exist_ok=True)
     funcs = {
-        n: make_paged_decode_cuda(BENCH, num_warps=nw, unroll=u, double_buffer=db)
-        for n, (nw, u, db) in VARIANTS.items()
+        n: make_paged_decode_cuda(BENCH, num_warps=nw, unroll=u, double_buffer=db, **kw)
+        for n, (nw, u, db, kw) in VARIANTS.items()
     }
     funcs["generic"] = build_attention(BENCH, source="decode", mask="none", sliding=False, inline_rope=False)
     for spec, sliding, rope, _, _ in check_cases():

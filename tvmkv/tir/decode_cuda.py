@@ -13,6 +13,10 @@ Design (one query token per sequence, so the kernel is a pure stream over the se
   loads back to back before using any of them, so ``NW * 32 * U * 2 * 16`` bytes per block are in
   flight. The block's ``NW`` warps stream interleaved, consecutive key ranges of the sequence; the
   page ids of the next tile are fetched while the current one is in flight.
+* By default (``stages >= 2``) those loads are ``cp.async`` copies into a ring of ``NS`` tiles in
+  dynamic shared memory (each lane writes and later reads back only its own 16-byte slots, so no
+  barrier is needed): tile ``t + NS - 1`` is issued before tile ``t`` is computed, so ``NS - 1``
+  tiles per warp stay in flight during the math instead of none. ``stages=1`` loads into registers.
 * Each sub-warp keeps its own online-softmax state (running max ``m`` in base 2, sum ``l``, the
   lane's ``E`` columns of ``O``) in registers; scores are reduced over the ``TPK`` lanes of a key
   with xor shuffles. At the end the sub-warps of a warp merge through shuffles, then the warps
@@ -37,6 +41,9 @@ from .spec import KernelSpec
 LOG2E = math.log2(math.e)
 WARP = 32
 DEFAULT_WARPS = 8
+DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
+STAGE_BYTES = 96 * 1024  # cap on the staging ring per block
+CP16 = "cp.async.cg.shared.global"
 SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
 REG_FLOATS = 32  # per-lane q (and O) floats: GQ * E <= REG_FLOATS
 LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * elem_bytes ~ LOAD_BYTES
@@ -88,6 +95,7 @@ def make_paged_decode_cuda(
     max_tpk: int = WARP,
     reg_floats: int = REG_FLOATS,
     load_bytes: int = LOAD_BYTES,
+    stages: int = DEFAULT_STAGES,
 ):
     """The CUDA ``paged_decode`` PrimFunc (same signature as ``decode.make_paged_decode``).
 
@@ -115,6 +123,14 @@ def make_paged_decode_cuda(
     rope = bool(inline_rope)
     sliding = bool(sliding)
     NB = 2 if double_buffer else 1
+    # cp.async staging: each lane copies its own 16-byte chunks into its own slots of a ring of NS
+    # tiles in shared memory and reads back only those, so no barrier is needed
+    NS = 1 if double_buffer else max(1, min(stages, STAGE_BYTES // (NT * U * 2 * NC * 16)))
+    if NS < 2:
+        NS = 1
+    CPA = NS >= 2
+    STG_SHAPE = (NS, U, 2, NC, NT, VEC) if CPA else (1, 1, 1, 1, 1, VEC)
+    STG_WORDS = math.prod(STG_SHAPE) * _elem_bytes(dtype) // 4
     neg_inf = float("-inf")
     shfl_xor = getattr(T.cuda, "__shfl_xor_sync")
     FULL = 0xFFFFFFFF
@@ -159,6 +175,36 @@ def make_paged_decode_cuda(
                     ]
         for u in T.unroll(U):
             pid[buf, u] = page_indices[seq[0] + (slot_of(t + NB, u, w, sub, seq) >> LOGP)]
+
+    @_macro
+    def issue_tile(t, s):
+        # cp.async every K and V chunk of tile t into ring stage s, commit, then fetch the next page ids
+        for u in T.unroll(U):
+            for c in T.unroll(NC):
+                T.ptx[CP16](
+                    stg.ptr_to([s, u, 0, c, tx, 0]),
+                    pages.ptr_to([pid[0, u], 0, hk, slot_of(t, u, w, sub, seq) & PMASK, lt * E + c * VEC]),
+                    16,
+                )
+            for c in T.unroll(NC):
+                T.ptx[CP16](
+                    stg.ptr_to([s, u, 1, c, tx, 0]),
+                    pages.ptr_to([pid[0, u], 1, hk, slot_of(t, u, w, sub, seq) & PMASK, lt * E + c * VEC]),
+                    16,
+                )
+        T.ptx["cp.async.commit_group"]()
+        for u in T.unroll(U):
+            pid[0, u] = page_indices[seq[0] + (slot_of(t + 1, u, w, sub, seq) >> LOGP)]
+
+    @_macro
+    def read_stage(s):
+        for u in T.unroll(U):
+            for c in T.unroll(NC):
+                for v in T.vectorized(VEC):
+                    kb[0, u, c * VEC + v] = stg[s, u, 0, c, tx, v]
+            for c in T.unroll(NC):
+                for v in T.vectorized(VEC):
+                    vb[0, u, c * VEC + v] = stg[s, u, 1, c, tx, v]
 
     @_macro
     def compute_tile(buf, t):
@@ -241,6 +287,10 @@ def make_paged_decode_cuda(
         Ms = T.alloc_buffer((NW, GQ), "float32", scope="shared")
         Ls = T.alloc_buffer((NW, GQ), "float32", scope="shared")
         Os = T.alloc_buffer((NW, GQ, D), "float32", scope="shared")
+        # cp.async ring; allocated as float32 so kernels of different dtypes in one module declare the
+        # same ``extern __shared__`` array, and viewed in the cache dtype
+        stg_raw = T.alloc_buffer((STG_WORDS,), "float32", scope="shared.dyn")
+        stg = T.decl_buffer(STG_SHAPE, dtype, data=stg_raw.data, scope="shared.dyn")
         # seq: page base, visited keys, sink keys visited first, first window slot, sink_end, offset
         seq = T.alloc_buffer((6,), "int32", scope="local")
         pid = T.alloc_buffer((NB, U), "int32", scope="local")  # page id of each key of the tile
@@ -299,19 +349,32 @@ def make_paged_decode_cuda(
                     Qr[g, e] = T.Cast("float32", q[b, h0 + g, lt * E + e]) * (sm_scale * T.float32(LOG2E))
 
         # ---- stream the keys: tile t, lane group (w, sub) takes keys t*KB + w*KPW*U + u*KPW + sub
-        if seq[1] > 0:
-            for par in T.unroll(NB):
+        if CPA:
+            if seq[1] > 0:
                 for u in T.unroll(U):
-                    pid[par, u] = page_indices[seq[0] + (slot_of(par, u, w, sub, seq) >> LOGP)]
-            if double_buffer:
-                load_tile(0, 0)
-        for t2 in T.serial((seq[1] + KB * NB - 1) // (KB * NB)):
-            for par in T.unroll(NB):
+                    pid[0, u] = page_indices[seq[0] + (slot_of(0, u, w, sub, seq) >> LOGP)]
+                for p in T.unroll(NS - 1):
+                    issue_tile(p, p)
+            for t in T.serial((seq[1] + KB - 1) // KB):
+                issue_tile(t + NS - 1, (t + NS - 1) % NS)
+                T.ptx["cp.async.wait_group"](NS - 1)
+                read_stage(t % NS)
+                compute_tile(0, t)
+            T.ptx["cp.async.wait_group"](0)
+        else:
+            if seq[1] > 0:
+                for par in T.unroll(NB):
+                    for u in T.unroll(U):
+                        pid[par, u] = page_indices[seq[0] + (slot_of(par, u, w, sub, seq) >> LOGP)]
                 if double_buffer:
-                    load_tile(1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
-                else:
-                    load_tile(0, t2)
-                compute_tile(par, t2 * NB + par)
+                    load_tile(0, 0)
+            for t2 in T.serial((seq[1] + KB * NB - 1) // (KB * NB)):
+                for par in T.unroll(NB):
+                    if double_buffer:
+                        load_tile(1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
+                    else:
+                        load_tile(0, t2)
+                    compute_tile(par, t2 * NB + par)
 
         # ---- merge the lane groups of a warp (xor shuffles), then the warps (shared memory)
         for r in T.unroll(KPW.bit_length() - 1):
