@@ -57,21 +57,11 @@ VARIANTS = {
     "cp3_nw2_u4": (2, 4, False, {"stages": 3}),
 }
 ROPE_SCALE, ROPE_THETA = 1.0, 10000.0
-# the decode configurations of tests/test_attention_kernels.py (dtype, D, P, group[, sliding])
-CORE = [
-    ("float32", 64, 1, 1),
-    ("float16", 128, 1, 4),
-    ("float32", 128, 1, 8),
-    ("float16", 128, 16, 1),
-    ("float32", 64, 16, 4),
-    ("float16", 64, 16, 8),
-    ("float32", 128, 64, 1),
-    ("float16", 64, 64, 4),
-    ("float32", 64, 64, 8),
-]
-EXTRA = [("bfloat16", 64, 16, 4), ("float16", 256, 16, 2), ("float32", 16, 8, 4), ("float16", 64, 256, 2)]
-SLIDING = [("float32", 64, 16, 4), ("float16", 128, 1, 2), ("float32", 64, 4, 1)]
-ROPE = [("float32", 64, 16, 4, False), ("float16", 128, 1, 2, False), ("float32", 64, 8, 2, True)]
+# the decode configurations of tests/test_attention_kernels.py, taken from it so the two cannot drift
+sys.path.insert(0, str(ROOT / "tests"))
+from test_attention_kernels import CORE, EXTRA  # noqa: E402
+from test_attention_kernels import ROPE_CFGS as ROPE  # noqa: E402
+from test_attention_kernels import SLIDING_CFGS as SLIDING  # noqa: E402
 
 
 def build_dir() -> Path:
