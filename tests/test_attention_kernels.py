@@ -128,8 +128,11 @@ def _random_forest(rng, n):
     return interval, depth
 
 
-def _run_paged_prefill(target, spec, lib, mask, hist, new, *, rng, sliding=False, rope=False, tree=False):
-    """Build a batch (history ``hist[b]`` + ``new[b]`` tokens), run both sides, compare."""
+def _run_paged_prefill(
+    target, spec, lib, mask, hist, new, *, rng, sliding=False, rope=False, tree=False, pos_shift=None
+):
+    """Build a batch (history ``hist[b]`` + ``new[b]`` tokens), run both sides, compare.
+    ``pos_shift[b]`` is added to the q_pos of sequence b (a negative shift empties causal rows)."""
     B = len(hist)
     kv_lens = [h + m for h, m in zip(hist, new, strict=True)]
     pg = Paged(rng, spec, kv_lens)
@@ -137,6 +140,8 @@ def _run_paged_prefill(target, spec, lib, mask, hist, new, *, rng, sliding=False
     q = _rand(rng, (n, spec.num_qo_heads, spec.head_dim), spec.dtype)
     q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new, strict=True)]).astype(np.int32)
+    if pos_shift is not None:
+        q_pos += np.repeat(np.asarray(pos_shift, np.int32), new)
     if sliding:
         for b in range(B):
             if b % 3 == 2 or hist[b] == 0:
@@ -275,6 +280,36 @@ def test_long_prefill(target, cfg, rng):
     _run_ragged(target, spec, lib, "causal", [45, 37, 19, 2], rng=rng)
 
 
+# Configurations of the cuda tensor-core prefill (tvmkv.tir.prefill_cuda): fp16 D 64/128 x page
+# size 1/16/64 x group 1/4/8, plus bf16; on llvm they run the CPU schedule on the same batches.
+TC_CFGS = [
+    ("float16", 64, 1, 1),
+    ("float16", 128, 1, 8),
+    ("float16", 64, 16, 4),
+    ("float16", 128, 16, 4),
+    ("float16", 128, 64, 1),
+    ("float16", 64, 64, 8),
+    ("bfloat16", 128, 16, 4),
+]
+
+
+@pytest.mark.parametrize("cfg", TC_CFGS, ids=lambda c: "-".join(map(str, c)))
+def test_prefill_tensor_core(target, cfg, rng):
+    """Many key tiles and query tiles per sequence, a history that is not a multiple of the tile,
+    a sequence without new tokens (its tile ids stay idle), one new token on a long history, nine
+    sequences (the tile search over q_indptr) and rows that see no key (q_pos shifted below 0:
+    o = 0, lse = -inf)."""
+    spec = _spec(target, cfg)
+    lib = _kernels(spec)
+    hist, new = [0, 200, 17, 5, 1000, 0, 64, 3, 90], [150, 70, 0, 64, 1, 9, 33, 2, 17]
+    for mask in ("causal", "none"):
+        _run_paged_prefill(target, spec, lib, mask, hist, new, rng=rng)
+    shift = [0, 0, 0, -40, 0, -4, 0, 0, 0]  # sequence 3: its first 35 rows see nothing; 5: 4 rows
+    lse_ref = _run_paged_prefill(target, spec, lib, "causal", hist, new, rng=rng, pos_shift=shift)
+    assert np.isneginf(lse_ref).any() and np.isfinite(lse_ref).any()
+    _run_ragged(target, spec, lib, "causal", [150, 1, 0, 64, 33, 9, 17, 2, 130], rng=rng)
+
+
 # ---------------------------------------------------------------- targeted variants
 
 TREE_CFGS = [CORE[1], CORE[4], CORE[8], EXTRA[0]]
@@ -409,6 +444,42 @@ def test_cuda_codegen_compiles(tmp_path):
             "-o",
             str(tmp_path / "a.cubin"),
             str(tmp_path / "attn.cu"),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_prefill_cuda_fast_path_compiles(tmp_path):
+    """The tensor-core prefill (tvmkv.tir.prefill_cuda) is what prefill/ragged dispatch to for
+    fp16/bf16 D 64/128 (mask none/causal, no window, no inline RoPE), and nvcc accepts it for sm_80
+    and sm_90."""
+    from tvmkv.build import compile_funcs
+    from tvmkv.tir.prefill import make_paged_prefill
+    from tvmkv.tir.ragged import make_ragged_prefill
+
+    specs = [
+        KernelSpec(32, 8, 128, 16, "float16", "cuda"),
+        KernelSpec(8, 1, 64, 1, "bfloat16", "cuda"),
+        KernelSpec(2, 2, 128, 64, "float16", "cuda"),
+    ]
+    funcs = {}
+    for k, spec in enumerate(specs):
+        for m in ("none", "causal"):
+            funcs[f"pp_{m}_{k}"] = make_paged_prefill(spec, mask=m)
+        funcs[f"rg_causal_{k}"] = make_ragged_prefill(spec, mask="causal")
+    src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
+    assert src.count("mma.sync.aligned.m16n8k16") >= 2 and "ldmatrix" in src and "cp.async" in src
+    (tmp_path / "pf.cu").write_text(src)
+    for arch in ("sm_80", "sm_90"):
+        cmd = [
+            "nvcc",
+            f"-arch={arch}",
+            "--cubin",
+            "-diag-suppress=1046,177,550",
+            "-o",
+            str(tmp_path / "p.cubin"),
+            str(tmp_path / "pf.cu"),
         ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]

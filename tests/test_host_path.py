@@ -14,6 +14,7 @@ import pytest
 import tvm
 from conftest import device_of
 
+import tvmkv
 from tvmkv import PagedAttentionKVCache
 from tvmkv.replay import Replayer
 from tvmkv.runtime.index_buffer import RING
@@ -163,3 +164,68 @@ def test_page_indices_follow_page_lists_after_every_operation(rng):
             np.testing.assert_array_equal(got, want.astype(np.int32), err_msg=f"step {step}")
             cache.end_forward()
         cache.check_integrity()
+
+
+def test_decode_fast_path_arrays_follow_page_lists(rng):
+    """White-box: a decode step that repeats the previous step's batch is planned by updating that plan
+    in place (``_decode_fast_path``). After every such step (and every other operation in between:
+    forks with copy-on-write, pop_n, removals, a pool running out of pages) every index array must
+    equal what the Python page lists and lengths say (docs/layout.md)."""
+    P = 4
+    cache = PagedAttentionKVCache(
+        1, 2, 2, 16, page_size=P, max_batch_size=8, max_total_seq_len=160, prefill_chunk_size=64,
+        dtype="float32", num_pages=40,
+    )  # fmt: skip
+    taken = []
+    fast = cache._decode_fast_path
+    cache._decode_fast_path = lambda *a: taken.append(fast(*a)) or taken[-1]
+    live, batch, next_id, out_of_pages = [], [], 0, 0
+    for step in range(400):
+        r = rng.random()
+        if live and cache.num_available_pages() < 3 and r < 0.13:
+            cache.remove_sequence(live.pop(0))  # room for adds and forks
+        elif r < 0.06 or not live:
+            cache.add_sequence(next_id)
+            cache.begin_forward([next_id], [int(rng.integers(1, 9))])
+            cache.end_forward()
+            live.append(next_id)
+            next_id += 1
+        elif r < 0.09 and len(live) < 8:
+            parent = live[int(rng.integers(len(live)))]
+            cache.fork_sequence(parent, next_id, int(rng.integers(1, cache.sequence_length(parent) + 1)))
+            live.append(next_id)
+            next_id += 1
+        elif r < 0.11:
+            sid = live[int(rng.integers(len(live)))]
+            cache.pop_n(sid, int(rng.integers(0, cache.sequence_length(sid))))
+        elif r < 0.13 and len(live) > 1:
+            cache.remove_sequence(live.pop(int(rng.integers(len(live)))))
+        else:
+            if not batch or not set(batch) <= set(live) or rng.random() < 0.1:
+                batch = [int(s) for s in rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False)]
+            before = {s: list(cache._seqs[s].pages) for s in live}
+            free_before = cache.num_available_pages()
+            try:
+                cache.begin_forward(batch, [1] * len(batch))
+            except tvmkv.OutOfPagesError:
+                assert {s: cache._seqs[s].pages for s in live} == before and cache.num_available_pages() == free_before
+                out_of_pages += 1
+                cache.remove_sequence(live.pop(0))  # make room, as a scheduler would preempt
+                continue
+            seqs = [cache._seqs[s] for s in batch]
+            kv = np.array([s.kv_len for s in seqs])
+            npages = np.array([len(s.pages) for s in seqs])
+            host = cache._index.host
+            dev = {name: t.numpy() for name, t in cache._fwd.dev.items()}
+
+            np.testing.assert_array_equal(dev["page_indptr"], np.concatenate([[0], np.cumsum(npages)]))
+            pages = np.concatenate([s.pages for s in seqs])
+            np.testing.assert_array_equal(dev["page_indices"][: len(pages)], pages, err_msg=f"step {step}")
+            np.testing.assert_array_equal(dev["last_page_len"], kv - (npages - 1) * P)
+            np.testing.assert_array_equal(dev["q_pos"], kv - 1)
+            want_slots = [s.pages[(n - 1) // P] * P + (n - 1) % P for s, n in zip(seqs, kv)]
+            np.testing.assert_array_equal(dev["slots"], want_slots, err_msg=f"step {step}")
+            assert host is cache._index.host
+            cache.end_forward()
+        cache.check_integrity()
+    assert sum(taken) > 100 and out_of_pages, f"fast path taken {sum(taken)} times, {out_of_pages} out of pages"

@@ -4,8 +4,11 @@ Data layout of every array: docs/layout.md.
 """
 
 from .config import CacheConfig
-from .errors import ForwardStateError, IntegrityError, OutOfPagesError, TvmkvError
+from .errors import ForwardStateError, IntegrityError, OutOfPagesError, SequenceSwappedError, TvmkvError
+from .runtime import interop  # gather_kv, store_kv, export/import_sequence (docs/layout.md)
 from .runtime.cache import PagedAttentionKVCache
+from .runtime.radix import PrefixCacheStats, RadixPrefixCache
+from .runtime.scheduler import Scheduler
 from .tir.spec import KernelSpec
 
 __all__ = [
@@ -15,5 +18,10 @@ __all__ = [
     "KernelSpec",
     "OutOfPagesError",
     "PagedAttentionKVCache",
+    "PrefixCacheStats",
+    "RadixPrefixCache",
+    "Scheduler",
+    "SequenceSwappedError",
     "TvmkvError",
+    "interop",
 ]

@@ -6,6 +6,12 @@ top-level ``build/<target-dir>/manifest.json`` lists every artifact of that dire
 from the per-artifact jsons (under a file lock) whenever an artifact is written, so several processes
 may build into one directory. The in-process cache and the file names derive from one key.
 
+Kernel families: ``kvcache`` (``tvmkv.tir.kernel_set``, what every cache loads) and families that
+are compiled lazily by the features that use them, into artifacts of their own named
+``<family>_<tag>.so`` (``interop``: ``tvmkv.tir.layout``, the foreign-layout copies). A family's
+modules listed in :data:`FAMILY_MODULES` are left out of the ``kvcache`` sources hash, so editing
+them does not make cache kernel sets stale.
+
 CUDA artifacts carry compiled device code: ``tvm.compile`` leaves the CUDA module as source (TVM 0.27
 compiles it when the library is *loaded*, through ``tvm_callback_cuda_compile``), so the export step
 compiles that source with nvcc into a fatbin here and packs the fatbin, with TVM's own function table,
@@ -43,6 +49,7 @@ NVCC_DIAG_SUPPRESS = "177,550,1046"  # unused variable, set-but-unused, inexact 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = 1
 
+FAMILY_MODULES = {"kvcache": (), "interop": ("layout.py", "layout_shapes.py")}  # tir modules only that family builds
 _LOADED: dict = {}  # BuildKey -> KernelLibrary (this process)
 STATS = {"compiles": 0, "disk_loads": 0, "memory_hits": 0, "nvcc_compiles": 0, "nvcc_cache_hits": 0}
 
@@ -55,6 +62,11 @@ class BuildKey:
     rope_mode: str = "none"
     sliding: bool = False
     arch: str | None = None  # CUDA only, e.g. "sm_90"
+    family: str = "kvcache"  # one of FAMILY_MODULES; rope_mode/sliding only vary the kvcache family
+
+    def __post_init__(self):
+        if self.family not in FAMILY_MODULES:
+            raise ValueError(f"family={self.family!r} is not one of {tuple(FAMILY_MODULES)}")
 
     @property
     def target_dir(self) -> str:
@@ -62,7 +74,7 @@ class BuildKey:
 
     @property
     def name(self) -> str:
-        parts = ["kvcache", self.spec.tag]
+        parts = [self.family, self.spec.tag]
         if self.rope_mode != "none":
             parts.append(f"rope-{self.rope_mode}")
         if self.sliding:
@@ -101,11 +113,16 @@ def make_target(target_kind: str, arch: str | None = None):
     raise ValueError(f"target kind {target_kind!r} is not supported; use 'llvm' or 'cuda'")
 
 
-def sources_hash() -> str:
-    """Hash of the kernel sources: a changed factory invalidates built artifacts."""
+def sources_hash(family: str = "kvcache") -> str:
+    """Hash of the kernel sources of ``family``: a changed factory invalidates built artifacts.
+
+    ``kvcache`` hashes every ``tvmkv/tir`` module except those another family owns
+    (:data:`FAMILY_MODULES`); other families hash every module (they may use shared helpers).
+    """
     h = hashlib.sha256()
     tir_dir = Path(__file__).resolve().parent / "tir"
-    for path in sorted(tir_dir.glob("*.py")) + [Path(__file__).resolve()]:
+    skip = {m for mods in FAMILY_MODULES.values() for m in mods} if family == "kvcache" else set()
+    for path in [p for p in sorted(tir_dir.glob("*.py")) if p.name not in skip] + [Path(__file__).resolve()]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -421,6 +438,7 @@ def _manifest(key: BuildKey, names) -> dict:
         "name": key.name,
         "library": f"{key.name}.so",
         "config": asdict(key.spec),
+        "family": key.family,
         "rope_mode": key.rope_mode,
         "sliding": key.sliding,
         "target": key.target_dir,
@@ -428,7 +446,7 @@ def _manifest(key: BuildKey, names) -> dict:
         "arch": key.arch,
         "llvm_mcpu": host_llvm_mcpu() if key.spec.target_kind == "llvm" else None,
         "tvm_version": tvm.__version__,
-        "sources_hash": sources_hash(),
+        "sources_hash": sources_hash(key.family),
         "kernels": sorted(names),
     }
 
@@ -472,14 +490,23 @@ def write_dir_manifest(target_dir: Path | str) -> Path:
     return path
 
 
+def family_kernels(key: BuildKey) -> dict:
+    """``{name: PrimFunc}`` of ``key``'s kernel family."""
+    from . import tir
+
+    if key.family == "interop":
+        from .tir import layout
+
+        return layout.kernel_set(key.spec)
+    return tir.kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding)
+
+
 def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:
     """``(library path, cache_hit)``: compile ``key`` unless an up-to-date artifact exists."""
-    from .tir import kernel_set
-
     out = Path(build_dir or DEFAULT_BUILD_DIR) / key.target_dir
     lib_path = out / f"{key.name}.so"
     man_path = out / f"{key.name}.json"
-    if not force and _is_fresh(lib_path, man_path):
+    if not force and _is_fresh(lib_path, man_path, key.family):
         return lib_path, True
     if _runtime_only():
         raise RuntimeError(
@@ -488,7 +515,7 @@ def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:
             "and carry build/"
         )
     t0 = time.time()
-    funcs = kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding)
+    funcs = family_kernels(key)
     if verbose:
         print(f"[tvmkv build] compiling {key.target_dir}/{key.name} ({len(funcs)} kernels)", file=sys.stderr)
     module = compile_funcs(funcs, key.spec.target_kind, key.arch)
@@ -525,7 +552,7 @@ def build_kernel_set(
     return _build(key, build_dir, force=force, verbose=verbose)[0]
 
 
-def _is_fresh(lib_path: Path, man_path: Path) -> bool:
+def _is_fresh(lib_path: Path, man_path: Path, family: str = "kvcache") -> bool:
     if not (lib_path.exists() and man_path.exists()):
         return False
     try:
@@ -536,7 +563,7 @@ def _is_fresh(lib_path: Path, man_path: Path) -> bool:
         return True  # a runtime-only TVM cannot rebuild: trust what was carried here
     import tvm
 
-    if manifest.get("sources_hash") != sources_hash() or manifest.get("tvm_version") != tvm.__version__:
+    if manifest.get("sources_hash") != sources_hash(family) or manifest.get("tvm_version") != tvm.__version__:
         return False
     if manifest.get("target_kind") == "llvm" and manifest.get("llvm_mcpu") != host_llvm_mcpu():
         return False  # built for another CPU: its instructions may not exist here
@@ -557,13 +584,20 @@ def load_kernels(
     sliding: bool = False,
     arch: str | None = None,
     build_dir: Path | str | None = None,
+    family: str = "kvcache",
 ) -> KernelLibrary:
-    """Kernels for one configuration: from this process's cache, else ``build/``, else compiled."""
+    """Kernels for one configuration: from this process's cache, else ``build/``, else compiled.
+
+    ``family`` "kvcache" is a cache's kernel set; "interop" the foreign-layout copies of
+    ``tvmkv.tir.layout`` (``rope_mode`` and ``sliding`` do not apply to it).
+    """
     import tvm
 
     if spec.target_kind == "cuda" and arch is None:
         arch = os.environ.get("TVMKV_CUDA_ARCH", DEFAULT_CUDA_ARCH)
-    key = BuildKey(spec, rope_mode, bool(sliding), arch if spec.target_kind == "cuda" else None)
+    if family != "kvcache":
+        rope_mode, sliding = "none", False
+    key = BuildKey(spec, rope_mode, bool(sliding), arch if spec.target_kind == "cuda" else None, family)
     lib = _LOADED.get(key)
     if lib is not None:
         STATS["memory_hits"] += 1
@@ -585,7 +619,7 @@ def clear_loaded() -> None:
 # ----------------------------------------------------------------------------------------------
 
 _SPEC_KEYS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")
-_CONFIG_KEYS = _SPEC_KEYS + ("rope_mode", "sliding", "target", "arch")
+_CONFIG_KEYS = _SPEC_KEYS + ("rope_mode", "sliding", "target", "arch", "family")
 
 
 def expand_configs(entries, defaults: dict) -> list:
@@ -615,7 +649,11 @@ def expand_configs(entries, defaults: dict) -> list:
                 raise ValueError(f"config entry {i}: rope_mode={c['rope_mode']!r} is not one of {ROPE_MODES}")
             spec = KernelSpec(**{k: c[k] for k in _SPEC_KEYS}, target_kind=c["target"])
             arch = (c["arch"] or DEFAULT_CUDA_ARCH) if c["target"] == "cuda" else None
-            key = BuildKey(spec, c["rope_mode"], bool(c["sliding"]), arch)
+            family = c.get("family", "kvcache")
+            if family == "kvcache":
+                key = BuildKey(spec, c["rope_mode"], bool(c["sliding"]), arch)
+            else:
+                key = BuildKey(spec, "none", False, arch, family)
             if key not in keys:
                 keys.append(key)
     return keys
@@ -647,6 +685,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-mode", default="none", help="none, normal or inline (default none)")
     p.add_argument("--sliding", action="store_true", help="the sliding-window/attention-sink variant")
     p.add_argument(
+        "--family",
+        default="kvcache",
+        choices=tuple(FAMILY_MODULES),
+        help="kernel family: kvcache (a cache's kernel set, default) or interop (foreign-layout copies)",
+    )
+    p.add_argument(
         "--config",
         type=Path,
         help="JSON file: a list of dicts with keys from " + ", ".join(_CONFIG_KEYS) + " (list values expand); "
@@ -670,6 +714,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "rope_mode": args.rope_mode,
         "sliding": args.sliding,
+        "family": args.family,
         "target": args.target,
         "arch": archs if args.target == "cuda" else None,
     }

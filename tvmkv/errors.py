@@ -33,5 +33,17 @@ class ForwardStateError(TvmkvError, RuntimeError):
     """A forward-protocol call out of order (attention outside begin/end, nested begin, ...)."""
 
 
+class SequenceSwappedError(TvmkvError, RuntimeError):
+    """The sequence is swapped out to host memory (``swap_out``): it cannot join a forward, be forked,
+    popped or read until ``swap_in`` brings it back. ``seq_id`` names it."""
+
+    def __init__(self, seq_id):
+        self.seq_id = seq_id
+        super().__init__(
+            f"sequence {seq_id} is swapped out to host memory; call swap_in([{seq_id}]) first "
+            "(or remove_sequence to drop it)"
+        )
+
+
 class IntegrityError(TvmkvError, AssertionError):
     """``check_integrity`` found the page accounting inconsistent (a bug in tvmkv)."""

@@ -8,6 +8,16 @@ parent's second most likely token (the parent takes the first), then both decode
 the prompt's pages. Every step's logits are checked against :mod:`tvmkv.relax.torch_ref`, which
 recomputes each whole sequence without a cache. Exit status 1 when any check fails.
 
+Steps are planned by :class:`tvmkv.runtime.scheduler.Scheduler`. ``--num-pages N`` makes the pool
+too small for the workload: the scheduler then preempts the newest sequences (``--preemption swap``:
+K/V to host memory and back; ``recompute``: dropped and prefilled again) and resumes them in FIFO
+order, and every step is still checked.
+
+``--prefix-cache`` shares prompt prefixes through a :class:`tvmkv.RadixPrefixCache`: every prompt
+starts with the same ``--system-prompt`` tokens (32 by default with it), admissions reuse the
+cached K/V of that prefix (and a recompute-preempted sequence what is left of its own), only the rest
+is prefilled, and the logits are checked as before; reuse statistics are printed at the end.
+
 Drivers: ``--interface tvmkv`` (default) drives the cache through its Python methods and the model
 calls ``tvmkv.attention_with_fused_qkv``; ``--interface tvm`` compiles the model against TVM's
 ``PagedKVCache`` and drives everything through the ``vm.builtin.*`` functions, as an MLC-style
@@ -43,14 +53,7 @@ class _Seq:
     tokens: list  # prompt + generated tokens
     prompt_len: int
     max_new_tokens: int
-    in_cache: int = 0  # tokens whose K/V are in the cache
     generated: int = 0
-    added: bool = False
-    done: bool = False
-
-    @property
-    def prefilling(self) -> bool:
-        return self.in_cache < self.prompt_len
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Report:
     max_err: float | None
     tolerance: float
     failures: list  # (step, seq_id, error)
+    stats: object = None  # tvmkv.runtime.scheduler.SchedulerStats
 
     @property
     def ok(self) -> bool:
@@ -160,9 +164,15 @@ def generate(
     tolerance=1e-4,
     fork=None,
     check_integrity=None,
+    preemption="swap",
+    prefix_cache=None,
     log=print,
 ) -> Report:
     """Run the requests to completion with continuous batching; check logits when ``reference`` is given.
+
+    Steps are planned by :class:`tvmkv.runtime.scheduler.Scheduler` (decodes first, then prompt
+    chunks up to the token budget; when pages run out the newest sequences are preempted and resumed
+    later in FIFO order).
 
     Parameters
     ----------
@@ -181,50 +191,45 @@ def generate(
         Fork the parent right after its prefill; the child starts from the parent's 2nd best token.
     check_integrity : callable, optional
         Called after every step (e.g. ``cache.check_integrity``).
+    preemption : str
+        "swap" (K/V to host and back) or "recompute" (drop and prefill again) when pages run out.
+    prefix_cache : tvmkv.RadixPrefixCache, optional
+        Over ``ops.cache``: admissions reuse cached prefixes, finished sequences stay cached.
     log : callable
         Receives each printed line (``None`` to stay silent).
     """
+    from .runtime.scheduler import Scheduler
+
     log = log or (lambda *_: None)
     seqs = {r.seq_id: _Seq(r.seq_id, list(r.prompt), len(r.prompt), r.max_new_tokens) for r in requests}
-    order = [r.seq_id for r in requests]
+    sched = Scheduler(
+        ops.cache,
+        token_budget=prefill_chunk_size,
+        max_batch_size=max_batch_size,
+        preemption=preemption,
+        ops=ops,
+        prefix_cache=prefix_cache,
+    )
+    for r in requests:
+        sched.add_request(r.seq_id, tokens=r.prompt)
     steps, failures, worst = [], [], None
     log(f"{'step':>4}  {'batch (seq[start:end])':<44} {'tok':>4} {'ms':>7} {'pages used/free':>15}  max|dlogit|")
     step = 0
-    while any(not s.done for s in seqs.values()):
-        # ---- schedule: every running decode, then prompt chunks up to the token budget
-        parts = []
-        for sid in order:
-            s = seqs[sid]
-            if not s.done and not s.prefilling and len(parts) < max_batch_size:
-                parts.append((sid, s.in_cache, 1))
-        budget = prefill_chunk_size - len(parts)
-        for sid in order:
-            s = seqs[sid]
-            if s.prefilling and budget > 0 and len(parts) < max_batch_size:
-                n = min(s.prompt_len - s.in_cache, budget)
-                parts.append((sid, s.in_cache, n))
-                budget -= n
-        if not parts:
-            raise RuntimeError("nothing could be scheduled: raise prefill_chunk_size or max_batch_size")
-        for sid, _, _ in parts:
-            if not seqs[sid].added:
-                ops.add_sequence(sid)
-                seqs[sid].added = True
-        ids = [sid for sid, _, _ in parts]
+    while sched.has_unfinished():
+        plan = sched.schedule()  # may preempt (swap out / drop), swap in or admit sequences
+        parts = [(p.seq_id, p.start, p.num_tokens) for p in plan.parts]
         tokens = [t for sid, start, n in parts for t in seqs[sid].tokens[start : start + n]]
         # ---- forward
         t0 = time.perf_counter()
-        ops.begin_forward(ids, [n for _, _, n in parts])
+        ops.begin_forward(plan.seq_ids, plan.lengths)
         logits = model.forward(tokens, ops.cache)  # [n, V]
         ops.end_forward()
         seconds = time.perf_counter() - t0
         # ---- check against the cache-free reference
         step_err, row = None, 0
         for sid, start, n in parts:
-            s = seqs[sid]
-            s.in_cache = start + n
             if reference is not None:
-                want = reference.logits(s.tokens[: start + n])[start:]
+                want = reference.logits(seqs[sid].tokens[: start + n])[start:]
                 err = float(np.abs(logits[row : row + n] - want).max())
                 step_err = err if step_err is None else max(step_err, err)
                 if not err <= tolerance:
@@ -233,33 +238,31 @@ def generate(
         if step_err is not None:
             worst = step_err if worst is None else max(worst, step_err)
         # ---- sample (greedy), fork, retire
-        events, row = [], 0
-        for sid, _, n in parts:
-            s, last = seqs[sid], logits[row + n - 1]
-            row += n
-            if s.prefilling:
+        events, row, finished = plan.events(), 0, []
+        events += [f"seq {p.seq_id} reuses {p.start}" for p in plan.parts if p.seq_id in plan.admitted and p.start]
+        forks, sampled = [], {}
+        for part in plan.parts:
+            sid, s, last = part.seq_id, seqs[part.seq_id], logits[row + part.num_tokens - 1]
+            row += part.num_tokens
+            if not part.samples:
                 continue
             ranked = np.argsort(-last, kind="stable")
             s.tokens.append(int(ranked[0]))
+            sampled[sid] = s.tokens[-1]
             s.generated += 1
             if fork is not None and sid == fork[0] and s.generated == 1:
-                child = fork[1]
-                ops.fork_sequence(sid, child, -1)
-                seqs[child] = _Seq(
-                    child,
-                    s.tokens[:-1] + [int(ranked[1])],
-                    s.prompt_len,
-                    fork[2],
-                    in_cache=s.in_cache,
-                    generated=1,
-                    added=True,
-                )
-                order.append(child)
-                events.append(f"fork {sid}->{child} at {s.in_cache}")
+                forks.append((sid, fork[1], s.tokens[:-1] + [int(ranked[1])], fork[2]))
             if s.generated >= s.max_new_tokens:
-                s.done = True
-                ops.remove_sequence(sid)
+                finished.append(sid)
                 events.append(f"seq {sid} done")
+        sched.step_done(plan, sampled=sampled)
+        for parent, child, tokens_, max_new in forks:  # after step_done: the parent's sample is counted
+            shared = sched.fork(parent, child, tokens=tokens_)
+            seqs[child] = _Seq(child, tokens_, seqs[parent].prompt_len, max_new, generated=1)
+            where = f"at {sched.seqs[parent].num_computed}" if shared else "(no free page: recompute)"
+            events.insert(0, f"fork {parent}->{child} {where}")
+        for sid in finished:
+            sched.finish(sid)  # removes it from the cache
         if check_integrity is not None:
             check_integrity()
         free = ops.num_available_pages()
@@ -273,14 +276,16 @@ def generate(
         )
         step += 1
     outputs = {sid: s.tokens[s.prompt_len :] for sid, s in seqs.items()}
-    return Report(steps, outputs, worst, tolerance, failures)
+    return Report(steps, outputs, worst, tolerance, failures, sched.stats)
 
 
-def default_requests(vocab_size: int, seed: int) -> list:
-    """Three prompts of lengths 45, 7 and 23 with 10, 16 and 12 new tokens (seq 0 is the one forked)."""
+def default_requests(vocab_size: int, seed: int, system_prompt: int = 0) -> list:
+    """Three prompts of lengths 45, 7 and 23 with 10, 16 and 12 new tokens (seq 0 is the one forked),
+    each after the same ``system_prompt`` tokens (drawn from their own generator)."""
     rng = np.random.default_rng(seed + 1)
     spec = [(0, 45, 10), (1, 7, 16), (2, 23, 12)]
-    return [Request(sid, rng.integers(0, vocab_size, n).tolist(), m) for sid, n, m in spec]
+    system = np.random.default_rng(seed + 2).integers(0, vocab_size, system_prompt).tolist()
+    return [Request(sid, system + rng.integers(0, vocab_size, n).tolist(), m) for sid, n, m in spec]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -300,6 +305,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk-size", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pages per layer (default: room for every sequence); a few pages make memory scarce, so the "
+        "scheduler preempts sequences and resumes them later (try 6)",
+    )
+    p.add_argument(
+        "--preemption",
+        choices=("swap", "recompute"),
+        default="swap",
+        help="when pages run out: swap the newest sequences' K/V to host memory, or drop and recompute them",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="share prompt prefixes across requests through a RadixPrefixCache (prefill only what is not cached)",
+    )
+    p.add_argument(
+        "--system-prompt",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prepend the same N tokens to every prompt (default: 32 with --prefix-cache, else 0)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the PyTorch reference check")
     p.add_argument("--build-dir", default=None, help="tvmkv kernel cache (default TVMKV_BUILD_DIR or build/)")
     p.add_argument(
@@ -349,9 +380,15 @@ def main(argv=None) -> int:
     arch = args.cuda_arch
     if args.target == "cuda" and arch is None:
         arch = "sm_" + device.compute_version.replace(".", "") if device.exist else "sm_90"
-    requests = default_requests(cfg.vocab_size, args.seed)
+    system_prompt = args.system_prompt if args.system_prompt is not None else 32 * args.prefix_cache
+    if system_prompt < 0:
+        print(f"error: --system-prompt {system_prompt} must be >= 0", file=sys.stderr)
+        return 2
+    requests = default_requests(cfg.vocab_size, args.seed, system_prompt)
     fork = (0, 3, 8)
     max_total = 4 * sum(len(r.prompt) + r.max_new_tokens for r in requests)
+    if args.num_pages is not None:  # scarce memory: the pool, not the longest sequence, limits
+        max_total = min(max_total, args.num_pages * args.page_size)
     sizes = dict(
         max_batch_size=args.max_batch_size,
         max_total_seq_len=max_total,
@@ -374,7 +411,7 @@ def main(argv=None) -> int:
         Path(args.export_lib).with_suffix(".json").write_text(json.dumps({"param_names": names}))
         print(f"  wrote {args.export_lib}")
         return 0
-    override = TvmBuiltinOverride(build_dir=args.build_dir, cuda_arch=arch)
+    override = TvmBuiltinOverride(build_dir=args.build_dir, cuda_arch=arch, num_pages=args.num_pages)
     t0 = time.perf_counter()
     with override:  # only needed for interface "tvm"; harmless otherwise
         model = RelaxLlama(ex, names, weights, cfg, device, interface=args.interface)
@@ -394,6 +431,7 @@ def main(argv=None) -> int:
                 rope_scale=cfg.rope_scale,
                 rope_theta=cfg.rope_theta,
                 target=target,
+                num_pages=args.num_pages,
                 build_dir=args.build_dir,
             )
             ops = DirectOps(cache)
@@ -402,6 +440,7 @@ def main(argv=None) -> int:
             f"{type(cache).__module__}.{type(cache).__name__}, "
             f"{cache.config.total_pages} pages of {cache.config.page_size}"
         )
+        prefix = tvmkv.RadixPrefixCache(cache) if args.prefix_cache else None
         reference = None
         if not args.no_check:
             from tvmkv.relax.torch_ref import TorchLlama
@@ -417,9 +456,24 @@ def main(argv=None) -> int:
             reference=reference,
             tolerance=TOLERANCE[cfg.dtype],
             fork=fork,
-            check_integrity=cache.check_integrity,
+            check_integrity=cache.check_integrity if prefix is None else prefix.check_integrity,
+            preemption=args.preemption,
+            prefix_cache=prefix,
         )
     total_tokens = sum(s.tokens for s in report.steps)
+    st = report.stats
+    print(
+        f"scheduler ({args.preemption}): {st.preempted_swap + st.preempted_recompute} preemptions, "
+        f"{st.swapped_in} swap-ins, {st.recomputed_tokens} tokens recomputed, {st.forks_recomputed} forks recomputed"
+    )
+    if prefix is not None:
+        ps = prefix.stats
+        print(
+            f"prefix cache (system prompt of {system_prompt} tokens): {ps.requests} admissions reused "
+            f"{ps.reused_tokens} of their {ps.requested_tokens} tokens ({ps.hit_rate:.0%}; "
+            f"{ps.partial_page_reuses} ending inside a page, copied); tree holds {prefix.num_cached_pages()} pages "
+            f"({prefix.num_evictable_pages()} evictable), {ps.evicted_pages} evicted"
+        )
     total_s = sum(s.seconds for s in report.steps)
     dec = [s for s in report.steps if all(n == 1 for _, _, n in s.parts)]
     print("generated (greedy):")

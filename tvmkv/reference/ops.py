@@ -120,3 +120,100 @@ def gather_ref(pages: np.ndarray, slots):
             k[e] = pages[s // P, 0, :, s % P]
             v[e] = pages[s // P, 1, :, s % P]
     return k, v
+
+
+def gather_pages_ref(layers, page_ids) -> np.ndarray:
+    """Staging rows ``[m, L, 2, H_kv, P, D]`` holding page ``page_ids[i]`` of every layer of ``layers``
+    (a list of ``L`` page pools ``[num_pages, 2, H_kv, P, D]``), as ``gather_pages`` called per layer."""
+    ids = np.asarray(page_ids, np.int64)
+    return np.stack([pool[ids] for pool in layers], axis=1)
+
+
+def scatter_pages_ref(pages: np.ndarray, page_ids, staging: np.ndarray, layer: int) -> np.ndarray:
+    """One layer's pages after ``pages[page_ids[i]] = staging[i, layer]`` (returns a new array)."""
+    out = pages.copy()
+    for i, p in enumerate(page_ids):
+        out[p] = staging[i, layer]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- interop
+
+
+def gather_pa_kv_ref(key_cache, value_cache, block_tables, seq_lens, seq_offset=None, is_seq_lens_cumsum=False):
+    """Ascend GatherPaKvCache ("Norm" mode): ``(k, v) [N, H_kv, D]`` of the rows of ``block_tables``.
+
+    ``key_cache, value_cache`` are ``[num_blocks, P, H_kv, D]`` (the op's own layout, not tvmkv's);
+    token ``j`` of row ``b`` is at block ``block_tables[b, seq_offset[b] // P + j // P]``, offset
+    ``j % P``; ``seq_lens`` are lengths, or running sums from 0 when ``is_seq_lens_cumsum``.
+    """
+    P = key_cache.shape[1]
+    lens = np.diff(seq_lens) if is_seq_lens_cumsum else np.asarray(seq_lens)
+    k, v = [], []
+    for b, n in enumerate(lens):
+        start = 0 if seq_offset is None else seq_offset[b] // P
+        for j in range(n):
+            block = block_tables[b][start + j // P]
+            k.append(key_cache[block, j % P])
+            v.append(value_cache[block, j % P])
+    H, D = key_cache.shape[2:]
+    if not k:
+        return np.zeros((0, H, D), key_cache.dtype), np.zeros((0, H, D), value_cache.dtype)
+    return np.stack(k), np.stack(v)
+
+
+def export_pages_ref(pages, page_ids, layout, *, num_tokens=None, out=None, block_ids=None):
+    """One sequence's pages in a foreign layout (docs/layout.md, "Foreign layouts").
+
+    ``pages`` stacks every layer's pool, ``[L, num_pages, 2, H_kv, P, D]``; the sequence owns
+    ``page_ids`` in token order. Paged layouts ("ksana" ``[NB, 2, L, P, H, D]``, "nhd"
+    ``[L, NB, 2, P, H, D]``, "hnd" ``[L, NB, 2, H, P, D]``) get whole page ``page_ids[e]`` in block
+    ``block_ids[e]`` (default ``e``) of ``out`` (a copy is returned; default a new array of
+    ``len(page_ids)`` blocks); "contiguous" returns ``[L, 2, num_tokens, H, D]``.
+    """
+    L, _, _, H, P, D = pages.shape
+    if layout == "contiguous":
+        res = np.zeros((L, 2, num_tokens, H, D), pages.dtype)
+        for t in range(num_tokens):
+            res[:, :, t] = pages[:, page_ids[t // P], :, :, t % P]
+        return res
+    m = len(page_ids)
+    block_ids = range(m) if block_ids is None else block_ids
+    if out is None:
+        shape = {"ksana": (m, 2, L, P, H, D), "nhd": (L, m, 2, P, H, D), "hnd": (L, m, 2, H, P, D)}[layout]
+        res = np.zeros(shape, pages.dtype)
+    else:
+        res = out.copy()
+    for page, block in zip(page_ids, block_ids):
+        for layer in range(L):
+            for kv in range(2):
+                hpd = pages[layer, page, kv]  # [H, P, D]
+                if layout == "ksana":
+                    res[block, kv, layer] = hpd.transpose(1, 0, 2)
+                elif layout == "nhd":
+                    res[layer, block, kv] = hpd.transpose(1, 0, 2)
+                else:
+                    res[layer, block, kv] = hpd
+    return res
+
+
+def import_pages_ref(pages, page_ids, foreign, layout, *, block_ids=None):
+    """``pages [L, num_pages, 2, H_kv, P, D]`` after writing a sequence from a foreign layout into
+    ``page_ids`` (inverse of :func:`export_pages_ref`; "contiguous" writes only its tokens' slots)."""
+    res = pages.copy()
+    P = pages.shape[4]
+    if layout == "contiguous":
+        for t in range(foreign.shape[2]):
+            res[:, page_ids[t // P], :, :, t % P] = foreign[:, :, t]
+        return res
+    block_ids = range(len(page_ids)) if block_ids is None else block_ids
+    for page, block in zip(page_ids, block_ids):
+        for layer in range(pages.shape[0]):
+            for kv in range(2):
+                if layout == "ksana":
+                    res[layer, page, kv] = foreign[block, kv, layer].transpose(1, 0, 2)
+                elif layout == "nhd":
+                    res[layer, page, kv] = foreign[layer, block, kv].transpose(1, 0, 2)
+                else:
+                    res[layer, page, kv] = foreign[layer, block, kv]
+    return res

@@ -22,6 +22,7 @@ from ..config import CacheConfig
 from ..errors import ForwardStateError, IntegrityError, OutOfPagesError
 from . import tensors
 from .index_buffer import IndexBuffers, align
+from .swap import HostSwap
 
 
 @dataclass
@@ -166,6 +167,31 @@ class _Forward:
     paged: bool = True
 
 
+@dataclass
+class _Steady:
+    """The last decode step's plan, kept so that the next decode step of the same batch (same ids in
+    the same order, one token each, nothing changed in between) updates it in place instead of planning
+    from scratch (:meth:`PagedAttentionKVCache._decode_fast_path`). The arrays are views of the packed
+    host index buffer, which still holds that step's index arrays."""
+
+    seq_ids: list
+    seqs: list
+    ones: list  # [1] * B, compared with the next step's append_lengths
+    version: int  # the cache's _version after the step; any other change bumps it
+    npages: np.ndarray  # int64 [B] pages of each sequence
+    host: np.ndarray  # the packed host buffer the views below point into
+    q_pos: np.ndarray  # views of the packed host buffer (docs/layout.md)
+    slots: np.ndarray
+    last_page_len: np.ndarray
+    page_indptr: np.ndarray
+    layout: dict
+    pi_off: int  # offset of page_indices in the packed buffer
+    nnz: int  # page_indices entries
+    room: int  # steps before some sequence's last page is full (P - max(last_page_len))
+    generation: int  # IndexBuffers.generation the cached forwards' views belong to
+    forwards: dict  # device slot -> bound _Forward
+
+
 def _as_int(value, name: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name}={value!r} must be an int, not a bool")
@@ -213,7 +239,7 @@ def _dfs_intervals(parents: list) -> tuple[np.ndarray, np.ndarray]:
     return enter, exit_
 
 
-class PagedAttentionKVCache:
+class PagedAttentionKVCache(HostSwap):
     """A paged KV cache for ``num_layers`` attention layers (layout: docs/layout.md).
 
     Parameters
@@ -325,11 +351,20 @@ class PagedAttentionKVCache:
         shape = (cfg.total_pages, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
         zeros = np.zeros(shape, tensors.numpy_dtype(cfg.dtype))
         self.pages = [tvm.runtime.tensor(zeros, self.device) for _ in range(cfg.num_layers)]
-        self._dummy = tvm.runtime.tensor(np.zeros((1, 3), np.int32), self.device)
+        self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, self.device.dlpack_device_type()
         self._ref = np.zeros(cfg.total_pages, np.int32)
         self._free = list(range(cfg.total_pages - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict = {}
+        self._swapped: dict = {}  # swapped-out sequences (runtime/swap.py)
+        self._staging_buf = None  # device staging buffer of swaps (allocated by the first swap)
+        self._host_spare = None  # a released host buffer of swaps, kept for reuse
+        self._holders: list = []  # page holders outside sequences (attach_page_holder)
         self._fwd: _Forward | None = None
+        # Bumped by every change to a page table, length or window outside a decode fast-path step
+        # (_alloc, _release, _truncate, _slide, fork, add/remove, window, clear): a _Steady plan is
+        # reused only while it is unchanged (see _decode_fast_path).
+        self._version = 0
+        self._steady: _Steady | None = None
         self._init_host_path()
 
     # ------------------------------------------------------------------ queries
@@ -343,6 +378,8 @@ class PagedAttentionKVCache:
 
     def sequence_length(self, seq_id) -> int:
         """Logical length of ``seq_id``: every token appended and not popped (slid-out tokens count)."""
+        if self._swapped_id(seq_id):
+            return self._swapped[seq_id].seq.length
         return self._get(seq_id).length
 
     def sequence_ids(self) -> list:
@@ -354,13 +391,18 @@ class PagedAttentionKVCache:
         seq_id = self._check_new_id(seq_id, "seq_id")
         self._check_no_forward("add_sequence")
         self._seqs[seq_id] = _Sequence()
+        self._version += 1
 
     def remove_sequence(self, seq_id) -> None:
-        """Remove ``seq_id``; its pages return to the free list once nothing else holds them."""
+        """Remove ``seq_id``; its pages return to the free list once nothing else holds them (a swapped-out
+        sequence drops its host copy)."""
+        if self._remove_swapped(seq_id):
+            return
         seq = self._get(seq_id)
         self._check_no_forward("remove_sequence")
         self._release(seq.pages)
         del self._seqs[seq_id]
+        self._version += 1
 
     def fork_sequence(self, parent_seq_id, child_seq_id, fork_pos=-1) -> None:
         """Create ``child_seq_id`` holding the first ``fork_pos`` tokens of ``parent_seq_id``.
@@ -390,7 +432,7 @@ class PagedAttentionKVCache:
             )
         P = self.config.page_size
         full, partial = divmod(fork_pos, P)
-        if partial and not self._free:
+        if partial and not self._make_room(1):
             raise OutOfPagesError(1, 0, f"fork of sequence {parent_seq_id} at {fork_pos}")
         child = _Sequence(
             window=parent.window, sink=parent.sink, sink_end=parent.sink_end, window_start=parent.sink_end
@@ -403,6 +445,7 @@ class PagedAttentionKVCache:
             child.pages.append(page)
         child.kv_len = fork_pos
         self._seqs[child_id] = child
+        self._version += 1
 
     def pop_n(self, seq_id, n) -> None:
         """Drop the last ``n`` tokens of ``seq_id`` (pages no longer used are released)."""
@@ -447,14 +490,19 @@ class PagedAttentionKVCache:
         if seq.slid:
             raise ValueError(f"sequence {seq_id} already slid its window; its window cannot be changed")
         seq.window, seq.sink, seq.sink_end, seq.window_start = window, sink, sink, sink
+        self._version += 1
         self._slide(seq)
 
     def clear(self) -> None:
         """Remove every sequence and close any open forward."""
         self._fwd = None
+        self._version += 1
         self._seqs.clear()
+        self._swapped.clear()
         self._ref[:] = 0
         self._free = list(range(self.config.total_pages - 1, -1, -1))
+        for holder in self._holders:
+            holder.forget_pages()
 
     # ------------------------------------------------------------------ forward protocol
     def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
@@ -468,6 +516,10 @@ class PagedAttentionKVCache:
         cfg = self.config
         if self._fwd is not None:
             raise ForwardStateError("begin_forward called while a forward is open; call end_forward first")
+        fast = self._steady is not None and token_tree_parent_ptr is None
+        if fast and self._decode_fast_path(seq_ids, append_lengths):
+            return
+        self._steady = None
         # Validation does O(1) Python-level passes over the batch (C-level map/set/min); the per-item
         # loops that build error messages run only once something is wrong.
         seq_ids = list(seq_ids)
@@ -518,7 +570,7 @@ class PagedAttentionKVCache:
         cow = partial[self._ref[np.fromiter(map(_MIRROR_LAST, seqs), np.int64, B)[partial]] > 1]
         grow = want - have
         needed = int(grow.sum()) + len(cow)
-        if needed > len(self._free):
+        if not self._make_room(needed):
             raise OutOfPagesError(needed, len(self._free))
         # ---- validated: from here on nothing raises for a reason the caller controls
         cow_set = set(cow.tolist())
@@ -559,6 +611,8 @@ class PagedAttentionKVCache:
             dev=self._upload(plan),
             scratch=self._scratch(total),
         )
+        if kernel == "paged_decode" and not windowed.size:
+            self._steady = self._make_steady(seqs, want, plan)
 
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Append this layer's new K/V and compute attention for the tokens of the open forward.
@@ -583,12 +637,16 @@ class PagedAttentionKVCache:
         fwd = self._fwd
         if fwd is None:
             raise ForwardStateError("attention_with_fused_qkv called outside begin_forward/end_forward")
-        layer = _as_int(layer_id, "layer_id")
+        layer = layer_id if type(layer_id) is int else _as_int(layer_id, "layer_id")
         if not 0 <= layer < cfg.num_layers:
             raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
         sm_scale = cfg.head_dim**-0.5 if sm_scale is None else float(sm_scale)
         if not math.isfinite(sm_scale):
             raise ValueError(f"sm_scale={sm_scale} must be finite")
+        if self._tvm_ok(qkv, cfg.qkv_heads) and (out is None or self._tvm_ok(out, cfg.num_qo_heads)):
+            o = self._output_buffer(None, "tvm", fwd.total) if out is None else out  # the Relax VM's case
+            self._run_layer(layer, qkv, o, sm_scale)
+            return o
         kind = self._check_array(qkv, "qkv", (fwd.total, cfg.qkv_heads, cfg.head_dim))
         if out is not None:
             if tensors.array_kind(out) != kind:
@@ -701,10 +759,13 @@ class PagedAttentionKVCache:
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless: free + used == total, each page's ref count equals the number of
-        page lists holding it, no page twice in one sequence, and every sequence's lengths agree."""
+        page lists holding it (plus the references of page holders such as the prefix cache), no page
+        twice in one sequence, and every sequence's lengths agree."""
         cfg = self.config
         counts = np.zeros(cfg.total_pages, np.int64)
         problems = []
+        for holder in self._holders:
+            np.add.at(counts, np.asarray(holder.held_pages(), np.int64), 1)
         for sid, seq in self._seqs.items():
             if len(set(seq.pages)) != len(seq.pages):
                 problems.append(f"sequence {sid} holds a page twice")
@@ -726,14 +787,46 @@ class PagedAttentionKVCache:
         used = int((self._ref > 0).sum())
         if used + len(self._free) != cfg.total_pages:
             problems.append(f"free {len(self._free)} + used {used} != total {cfg.total_pages}")
+        problems += self._check_swapped()
         if problems:
             raise IntegrityError("; ".join(problems))
+
+    # ------------------------------------------------------------------ page holders (prefix cache)
+    def attach_page_holder(self, holder) -> None:
+        """Register ``holder``, which holds page references outside any sequence (the radix prefix
+        cache, :mod:`tvmkv.runtime.radix`). It provides ``held_pages()`` (each page it holds a reference
+        on, once per reference: ``check_integrity`` counts them), ``evict_pages(count)`` (release at
+        least ``count`` pages only it holds and return how many, or release nothing; asked before an
+        ``OutOfPagesError`` is raised) and ``forget_pages()`` (``clear`` dropped every reference)."""
+        if holder in self._holders:
+            raise ValueError("this page holder is already attached")
+        self._holders.append(holder)
+
+    def add_sequence_with_pages(self, seq_id, pages, length) -> None:
+        """Add ``seq_id`` holding ``length`` tokens that already sit in ``pages`` (page ``i`` holds
+        positions ``[i P, (i + 1) P)``, docs/layout.md); each page must be held already (by a sequence
+        or a page holder) and gains a reference. A partial last page is shared like any other and
+        copied on the sequence's first write into it (copy-on-write in ``begin_forward``).
+        Raises KeyError / TypeError, ValueError, ForwardStateError before changing anything."""
+        seq_id = self._check_new_id(seq_id, "seq_id")
+        self._check_no_forward("add_sequence_with_pages")
+        length = _as_int(length, "length")
+        pages = [_as_int(p, "pages[i]") for p in pages]
+        P, total = self.config.page_size, self.config.total_pages
+        if length < 0 or len(pages) != -(-length // P):
+            raise ValueError(f"{len(pages)} pages cannot hold length {length}; pass ceil(length / {P}) pages")
+        if len(set(pages)) != len(pages) or any(not 0 <= p < total or self._ref[p] < 1 for p in pages):
+            raise ValueError(f"pages {pages[:8]} must be distinct page ids in [0, {total}) that are held already")
+        self._hold(pages)
+        seq = self._seqs[seq_id] = _Sequence()
+        seq.pages, seq.kv_len = pages, length
 
     # ------------------------------------------------------------------ internals
     def _get(self, seq_id) -> _Sequence:
         try:
             return self._seqs[seq_id]
         except (KeyError, TypeError):
+            self._raise_if_swapped(seq_id)
             raise KeyError(f"sequence {seq_id!r} is not in the cache; add it with add_sequence first") from None
 
     def _known_id(self, seq_id):
@@ -742,7 +835,7 @@ class PagedAttentionKVCache:
 
     def _check_new_id(self, seq_id, name: str):
         seq_id = _as_int(seq_id, name)
-        if seq_id in self._seqs:
+        if seq_id in self._seqs or seq_id in self._swapped:
             raise KeyError(f"{name} {seq_id} is already in the cache; remove it first or pick another id")
         return seq_id
 
@@ -754,9 +847,25 @@ class PagedAttentionKVCache:
         assert count <= len(self._free), "caller checks free pages first"
         pages = [self._free.pop() for _ in range(count)]
         self._ref[pages] = 1
+        self._version += 1
         return pages
 
+    def _hold(self, pages) -> None:
+        """One more reference on each of ``pages`` (distinct, already referenced)."""
+        self._ref[pages] += 1
+        self._version += 1
+
+    def _make_room(self, needed: int) -> bool:
+        """True when ``needed`` pages are free, after asking page holders to evict pages only they
+        hold (a holder evicts nothing when it cannot cover the shortfall)."""
+        for holder in self._holders:
+            if needed <= len(self._free):
+                break
+            holder.evict_pages(needed - len(self._free))
+        return needed <= len(self._free)
+
     def _release(self, pages) -> None:
+        self._version += 1
         for p in pages:
             self._ref[p] -= 1
             if self._ref[p] == 0:
@@ -764,6 +873,7 @@ class PagedAttentionKVCache:
 
     def _truncate(self, seq: _Sequence, kv_len: int) -> None:
         keep = -(-kv_len // self.config.page_size)
+        self._version += 1
         self._release(seq.pages[keep:])
         del seq.pages[keep:]
         seq.kv_len = kv_len
@@ -780,6 +890,7 @@ class PagedAttentionKVCache:
         if excess <= 0:
             return
         seq.window_start += excess
+        self._version += 1
         first, last = -(-seq.sink_end // P), seq.window_start // P
         if last > first:
             self._release(seq.pages[first:last])
@@ -925,11 +1036,101 @@ class PagedAttentionKVCache:
         """Copy the packed buffer to the device in one copy; device views of every array (views are
         cached per slot and shape, so a decode step of an unchanged batch size creates none)."""
         slot, layout, pi_off, used = plan
+        self._index.upload(slot, used)
+        return self._device_views(slot, layout, pi_off)
+
+    def _device_views(self, slot: int, layout: dict, pi_off: int) -> dict:
         ib = self._index
-        ib.upload(slot, used)
         dev = {name: ib.view(slot, off, shape) for name, (off, shape) in layout.items()}
         dev["page_indices"] = ib.tail(slot, pi_off)  # longer than nnz: kernels index it via page_indptr
         return dev
+
+    def _make_steady(self, seqs, npages, plan) -> _Steady:
+        """Remember a decode step's plan for :meth:`_decode_fast_path`."""
+        slot, layout, pi_off, used = plan
+        host = self._index.host
+
+        def arr(name):
+            off, shape = layout[name]
+            return host[off : off + math.prod(shape)].reshape(shape)
+
+        fwd = self._fwd
+        return _Steady(
+            seq_ids=fwd.seq_ids,
+            seqs=seqs,
+            ones=[1] * len(seqs),
+            version=self._version,
+            npages=npages.astype(np.int64),
+            host=host,
+            q_pos=arr("q_pos"),
+            slots=arr("slots"),
+            last_page_len=arr("last_page_len"),
+            page_indptr=arr("page_indptr"),
+            layout=layout,
+            pi_off=pi_off,
+            nnz=used - pi_off,
+            room=self.config.page_size - int(arr("last_page_len").max()),
+            generation=self._index.generation,
+            forwards={slot: fwd},
+        )
+
+    def _decode_fast_path(self, seq_ids, append_lengths) -> bool:
+        """Plan a decode step of the previous decode step's batch by updating its arrays in place.
+
+        Applies when the ids are the same in the same order, every append length is 1 and nothing
+        changed the cache since (``_version``); sliding-window sequences never get here. Positions and
+        slots advance by one; a sequence whose new token opens a page gets one, and only then is
+        ``page_indices`` rebuilt. The same validation holds as in the general path: the batch was
+        checked at the step this one repeats. Returns False, having changed nothing, when the step is
+        not such a step or needs what the general path handles (too few free pages: it raises
+        OutOfPagesError; a bigger index buffer).
+        """
+        S, ib = self._steady, self._index
+        if self._version != S.version or S.host is not ib.host:
+            return False
+        if list(seq_ids) != S.seq_ids or list(append_lengths) != S.ones:
+            return False
+        seqs, P = S.seqs, self.config.page_size
+        lpl = S.last_page_len  # the new token of a sequence whose last page is full opens a page
+        opens = np.flatnonzero(lpl == P) if S.room == 0 else ()
+        if len(opens):
+            if len(opens) > len(self._free) or S.pi_off + S.nnz + len(opens) > ib.capacity:
+                return False
+            new = self._alloc(len(opens))
+            for i, page in zip(opens.tolist(), new):
+                seqs[i].pages.append(page)
+                seqs[i].mirror.extend((page,))
+            S.npages[opens] += 1
+            S.nnz += len(opens)
+            np.cumsum(S.npages, out=S.page_indptr[1:])
+            np.concatenate(list(map(_MIRROR_VIEW, seqs)), out=S.host[S.pi_off : S.pi_off + S.nnz])
+        # every token is one slot and one position further than its sequence's previous one
+        S.q_pos += 1
+        S.slots += 1
+        lpl += 1
+        if len(opens):
+            lpl[opens] = 1
+            S.slots[opens] = np.asarray(new, np.int32) * P
+            S.room = P - int(lpl.max())
+        else:
+            S.room -= 1
+        for seq in seqs:
+            seq.kv_len += 1
+        used = S.pi_off + S.nnz
+        slot = ib.next_slot(used)
+        ib.upload(slot, used)
+        if ib.generation != S.generation:  # the views cached forwards hold were dropped
+            S.forwards.clear()
+            S.generation = ib.generation
+        fwd = S.forwards.get(slot)
+        if fwd is None:
+            dev = self._device_views(slot, S.layout, S.pi_off)
+            scratch = self._scratch(len(seqs))
+            fwd = self._bind(S.seq_ids, S.ones, len(seqs), "paged_decode", [], dev=dev, scratch=scratch)
+            S.forwards[slot] = fwd
+        self._fwd = fwd
+        S.version = self._version
+        return True
 
     def _scratch(self, total: int) -> dict:
         """Views ``[total, ...]`` of the q/k/v/lse scratch buffers allocated once for
@@ -978,6 +1179,17 @@ class PagedAttentionKVCache:
                 d["kv_tree_start"],
             )
         return fwd
+
+    def _tvm_ok(self, x, heads: int) -> bool:
+        """True when ``x`` is a tvm tensor of this forward that the kernels take as is; everything else
+        goes through :meth:`_check_array`, whose errors name what is wrong."""
+        return (
+            type(x) is self._tvm_tensor
+            and x.is_contiguous()
+            and x.shape == (self._fwd.total, heads, self.config.head_dim)
+            and x.device.dlpack_device_type() == self._dl_device_type
+            and x.dtype == self.config.dtype
+        )
 
     def _check_array(self, x, name: str, shape: tuple) -> str:
         kind = tensors.array_kind(x)

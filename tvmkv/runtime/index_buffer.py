@@ -114,6 +114,7 @@ class IndexBuffers:
         self._copy = tvm_ffi.get_global_func("runtime.TVMTensorCopyFromTo")
         self._retired: list = []  # earlier allocations (views handed out may still point there)
         self._turn = 0
+        self.generation = 0  # bumped whenever views handed out may have been dropped (see next_slot)
         self._allocate(capacity)
 
     @property
@@ -138,10 +139,12 @@ class IndexBuffers:
         """The device slot for the next forward; grows every buffer first when ``need`` > capacity."""
         if need > self.capacity:
             self._allocate(max(need, 2 * self.capacity))
+            self.generation += 1
         self._turn = slot = (self._turn + 1) % RING
         if len(self._views[slot]) >= _MAX_VIEWS:  # many distinct shapes: start over (closed forwards only)
             self._views[slot] = {}
             self._keep[slot] = []
+            self.generation += 1
         return slot
 
     def upload(self, slot: int, used: int) -> None:

@@ -36,6 +36,8 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
         "copy_page": page_ops.make_copy_page(spec),
         "compact_copy": page_ops.make_compact_copy(spec),
         "gather": page_ops.make_gather(spec),
+        "gather_pages": page_ops.make_gather_pages(spec),
+        "scatter_pages": page_ops.make_scatter_pages(spec),
     }
 
 

@@ -1,4 +1,5 @@
-"""Slot-level copies inside the page pool: fork a page, compact committed tree tokens, gather K/V.
+"""Slot-level copies inside the page pool: fork a page, compact committed tree tokens, gather K/V;
+whole-page copies between the pool and a staging buffer (swap to host).
 
 Pages and slots are defined in docs/layout.md ("Pages"): ``slot = page_id * P + offset``. Every op
 copies K and V of all ``H_kv`` heads. CUDA mapping: ``threadIdx.x`` over the head dim, ``threadIdx.y``
@@ -195,3 +196,120 @@ def make_gather(spec: KernelSpec):
                                 v_out[e, h, d] = T.cast(0, dtype)
 
     return gather
+
+
+def make_gather_pages(spec: KernelSpec):
+    """``gather_pages(pages, page_ids, staging, layer)``: copy whole pages of one layer into rows of a
+    contiguous staging buffer (swap-out: one device->host copy of the staging buffer follows).
+
+    Parameters
+    ----------
+    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+        One layer's page pool (read only).
+    page_ids : [m], int32
+        Pages to copy (the caller checks the range).
+    staging : [m, L, 2, H_kv, P, D], spec.dtype
+        **Written** at ``layer``: ``staging[i, layer] = pages[page_ids[i]]`` for every ``i``; the rest
+        is untouched (the other layers' calls fill it).
+    layer : int32
+        Layer index in ``[0, L)``.
+    """
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    HY = heads_per_block(H, D)
+    HB = (H + HY - 1) // HY
+
+    if spec.is_cpu:
+
+        @T.prim_func
+        def gather_pages(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
+            T.func_attr({"tir.noalias": True})
+            num_pages = T.int32()
+            m = T.int32()
+            L = T.int32()
+            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+            page_ids = T.match_buffer(var_ids, (m,), "int32")
+            staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
+            for i in T.parallel(m):
+                for kv, h, j in T.grid(2, H, P):
+                    for d in T.vectorized(D):
+                        staging[i, layer, kv, h, j, d] = pages[page_ids[i], kv, h, j, d]
+
+        return gather_pages
+
+    @T.prim_func
+    def gather_pages(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
+        T.func_attr({"tir.noalias": True})
+        num_pages = T.int32()
+        m = T.int32()
+        L = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        page_ids = T.match_buffer(var_ids, (m,), "int32")
+        staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
+        for i in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
+            for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        h = T.meta_var(hb % HB * HY + hy)
+                        if i < m and h < H:
+                            for j in T.serial(P):
+                                staging[i, layer, hb // HB, h, j, d] = pages[page_ids[i], hb // HB, h, j, d]
+
+    return gather_pages
+
+
+def make_scatter_pages(spec: KernelSpec):
+    """``scatter_pages(pages, page_ids, staging, layer)``: the reverse of :func:`make_gather_pages`
+    (swap-in: after one host->device copy into the staging buffer).
+
+    Parameters
+    ----------
+    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+        One layer's page pool, **written in place**: ``pages[page_ids[i]] = staging[i, layer]``.
+    page_ids : [m], int32
+        Destination pages, all distinct (the caller checks the range).
+    staging : [m, L, 2, H_kv, P, D], spec.dtype
+        Source rows (read only).
+    layer : int32
+        Layer index in ``[0, L)``.
+    """
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    HY = heads_per_block(H, D)
+    HB = (H + HY - 1) // HY
+
+    if spec.is_cpu:
+
+        @T.prim_func
+        def scatter_pages(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
+            T.func_attr({"tir.noalias": True})
+            num_pages = T.int32()
+            m = T.int32()
+            L = T.int32()
+            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+            page_ids = T.match_buffer(var_ids, (m,), "int32")
+            staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
+            for i in T.parallel(m):
+                for kv, h, j in T.grid(2, H, P):
+                    for d in T.vectorized(D):
+                        pages[page_ids[i], kv, h, j, d] = staging[i, layer, kv, h, j, d]
+
+        return scatter_pages
+
+    @T.prim_func
+    def scatter_pages(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
+        T.func_attr({"tir.noalias": True})
+        num_pages = T.int32()
+        m = T.int32()
+        L = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        page_ids = T.match_buffer(var_ids, (m,), "int32")
+        staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
+        for i in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
+            for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        h = T.meta_var(hb % HB * HY + hy)
+                        if i < m and h < H:
+                            for j in T.serial(P):
+                                pages[page_ids[i], hb // HB, h, j, d] = staging[i, layer, hb // HB, h, j, d]
+
+    return scatter_pages

@@ -11,6 +11,10 @@ PREFILL_MASKS = ("none", "causal", "tree")
 def make_paged_prefill(spec: KernelSpec, *, mask: str = "causal", sliding: bool = False, inline_rope: bool = False):
     """Attention of ragged queries over paged K/V (history + this forward's tokens, already appended).
 
+    On cuda, fp16/bf16 with head_dim 64 or 128, mask "none"/"causal", no sliding window and no
+    inline RoPE use the tensor-core schedule of :mod:`tvmkv.tir.prefill_cuda`; everything else the
+    shared attention builder.
+
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
     ----------
     q : [n, H_qo, D] dtype
@@ -46,4 +50,9 @@ def make_paged_prefill(spec: KernelSpec, *, mask: str = "causal", sliding: bool 
     """
     if mask not in PREFILL_MASKS:
         raise ValueError(f"mask={mask!r} is not one of {PREFILL_MASKS}")
+    if spec.target_kind == "cuda":
+        from .prefill_cuda import make_prefill_cuda, prefill_layout
+
+        if prefill_layout(spec, mask=mask, sliding=sliding, inline_rope=inline_rope) is not None:
+            return make_prefill_cuda(spec, source="paged", mask=mask)
     return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope)

@@ -11,6 +11,9 @@ RAGGED_MASKS = ("causal", "tree")
 def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: bool = False):
     """Attention of the new tokens over the new tokens of the same sequence (k/v not paged).
 
+    On cuda, fp16/bf16 causal with head_dim 64 or 128 and no inline RoPE use the tensor-core schedule
+    of :mod:`tvmkv.tir.prefill_cuda`; everything else the shared attention builder.
+
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
     ----------
     q : [n, H_qo, D] dtype
@@ -34,4 +37,9 @@ def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: 
     """
     if mask not in RAGGED_MASKS:
         raise ValueError(f"mask={mask!r} is not one of {RAGGED_MASKS}")
+    if spec.target_kind == "cuda":
+        from .prefill_cuda import make_prefill_cuda, prefill_layout
+
+        if prefill_layout(spec, mask=mask, inline_rope=inline_rope) is not None:
+            return make_prefill_cuda(spec, source="ragged", mask=mask)
     return build_attention(spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope)

@@ -1,0 +1,573 @@
+# ruff: noqa: F821, F841
+# (the TVMScript macros below name the kernel's buffers and variables, which ruff cannot see)
+"""Tensor-core CUDA schedule of the paged and ragged prefill kernels. See docs/layout.md.
+
+A flash-attention-2 style forward written with raw PTX through ``T.ptx[...]`` (the route of
+/work/shared/TENSORCORE.md): ``cp.async`` of 16-byte chunks into XOR-swizzled shared memory,
+``ldmatrix`` into mma fragments, ``mma.sync.m16n8k16`` with fp32 accumulation, the scores ``S``
+kept in the accumulator registers, the online softmax in base 2 on those registers, and ``P``
+repacked in registers as the A operand of ``O += P V`` (no trip through shared memory).
+
+Work decomposition
+------------------
+* One thread block = (query tile, kv head ``hk``), ``NW`` warps (default 4), ``BR = 16 NW`` query
+  rows, key/value tiles of ``BC = 64`` keys double-buffered in dynamic shared memory (64 KiB for
+  D 128); the Q tile is staged in the second buffer, which is first overwritten (by key tile 1)
+  after every warp holds its Q fragments in registers. Ragged kernels are compiled with
+  ``__launch_bounds__(128, 3)`` (3 blocks per SM), paged ones without a register cap
+  (``DEFAULT_MIN_BLOCKS``).
+* GQA: the ``group`` query heads of ``hk`` are packed as rows of the Q tile, row ``r`` = token
+  ``r // group`` of the tile, head ``hk * group + r % group``; a tile holds ``RT = BR / group``
+  tokens of one sequence, so every K/V tile is read once per kv head and used by all its heads.
+* Query tiles never span sequences. Tile ids of sequence ``b`` start at
+  ``start(b) = q_indptr[b] // RT + b`` (strictly increasing, each range holds the sequence's
+  ``ceil(len / RT)`` tiles plus at most one idle id), so a block finds its sequence by binary
+  search over ``q_indptr`` with no planning array: ``n // RT + B`` tile ids per kv head in all.
+  Within a sequence the last (heaviest causal) tile runs first.
+* K/V rows are gathered through the page table per tile (paged): each thread prefetches the page
+  ids of its rows one tile ahead, then issues 16-byte ``cp.async`` per row chunk; keys past the
+  sequence end re-read its last key and are masked. Ragged reads the new tokens' ``k`` / ``v``.
+* Causal: a key ``j`` is visible to row ``i`` iff ``j <= q_pos[i]`` (paged; with history ``h``
+  and no window ``q_pos = h + i``) or ``j <= i - q_indptr[b]`` (ragged). The key loop stops after
+  the tile holding the largest visible key of the block; the per-element mask runs only on tiles
+  past the smallest row bound (or past the sequence end). Positions are reduced through fp32, exact
+  below 2^24.
+* Output: ``o`` and the base-2 ``lse`` exactly as the generic schedule; a row that sees no key
+  gets ``o = 0``, ``lse = -inf``. ``o`` is written as packed element pairs (32-bit stores).
+
+Fast path (``prefill_layout`` returns a layout) — everything else uses the generic schedule of
+``_attn_common`` explicitly:
+
+* target cuda, dtype float16 or bfloat16 (fp32 falls back),
+* head_dim 64 or 128 (others fall back),
+* mask "none" or "causal" (tree falls back), no sliding window / attention sink, no inline RoPE
+  (both fall back),
+* ``group`` divides ``BR`` (with 4 warps: group in 1, 2, 4, 8, 16, 32, 64).
+
+The NumPy model in tests/test_prefill_cuda_model.py replays this index math with the helpers below.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+from ._attn_common import _macro
+from .spec import KernelSpec
+
+LOG2E = math.log2(math.e)
+WARP = 32
+DEFAULT_WARPS = 4
+# __launch_bounds__(NT, min blocks per SM) by source: ragged 3 (3 blocks of 64 KiB shared memory per SM,
+# registers capped at 168: 1x4096 causal 512 -> 461 us, 8x512 98 -> 89 us on an H200), paged none
+# (the cap cost 12% on 4x1024 new tokens over 2048 of history: 644 -> 730 us)
+DEFAULT_MIN_BLOCKS = {"ragged": 3, "paged": None}
+BC = 64  # keys per K/V tile
+CP16 = "cp.async.cg.shared.global"
+LDSM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
+MMA = {
+    "float16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+    "bfloat16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+}
+CVT = {"float16": "cvt.rn.f16x2.f32", "bfloat16": "cvt.rn.bf16x2.f32"}
+
+
+# ---- layout helpers: plain functions of ints or TIR expressions (the NumPy model in
+# tests/test_prefill_cuda_model.py calls the same ones)
+def swz(row, chunk):
+    """Column of 16-byte chunk ``chunk`` of shared row ``row`` (XOR swizzle of the low 3 chunk bits,
+    so the 8 rows an ldmatrix phase reads hit 8 different bank groups)."""
+    return (chunk ^ (row & 7)) * 8
+
+
+def lane_rowmajor16(lane):
+    """ldmatrix.x4 address of a lane for an A operand [m][k] (or a ``.trans`` B stored [k][n]):
+    (row, chunk) inside a 16x16 block."""
+    return lane % 16, lane // 16
+
+
+def lane_kmajor_b(lane):
+    """ldmatrix.x4 address for a B operand stored [n][k] (K rows): two n8 tiles of one k16 step."""
+    return (lane // 16) * 8 + lane % 8, (lane // 8) % 2
+
+
+def acc_rc(lane, r):
+    """m16n8 accumulator register ``r`` of ``lane`` -> (row, col) in the 16x8 tile."""
+    return lane // 4 + 8 * (r // 2), 2 * (lane % 4) + r % 2
+
+
+def k_row(st, r):
+    """Shared row of key ``r`` of stage ``st``: stages are [K (BC rows), V (BC rows)] back to back."""
+    return st * 2 * BC + r
+
+
+def v_row(st, r):
+    """Shared row of value ``r`` of stage ``st``."""
+    return st * 2 * BC + BC + r
+
+
+def q_row(r):
+    """Shared row of Q tile row ``r``: the Q tile aliases stage 1, which is first written (tile 1)
+    after every warp has read its Q fragments into registers."""
+    return 2 * BC + r
+
+
+SMEM_ROWS = 4 * BC  # two stages of K and V
+
+
+def tile_start(q_indptr_b, b, RT):
+    """First tile id of sequence ``b``: strictly increasing in ``b`` and leaving room for
+    ``ceil(len_b / RT)`` tiles."""
+    return q_indptr_b // RT + b
+
+
+def load_rc(tid, i, NT, CPR):
+    """The ``i``-th 16-byte chunk copied by thread ``tid`` of a tile with ``CPR`` chunks per row:
+    (row, chunk)."""
+    return (tid + i * NT) // CPR, (tid + i * NT) % CPR
+
+
+def kv_rc(tid, i, NT, CPR):
+    """The ``i``-th 16-byte chunk thread ``tid`` copies of a K or V tile: (row within the tile,
+    chunk). The chunk is the same for every ``i``, so a thread's rows are ``NT // CPR`` apart."""
+    return tid // CPR + i * (NT // CPR), tid % CPR
+
+
+def prefill_layout(
+    spec: KernelSpec, *, mask: str, sliding: bool = False, inline_rope: bool = False, num_warps: int = DEFAULT_WARPS
+):
+    """Static layout of the tensor-core path, or ``None`` where the generic schedule is used.
+
+    Returns a dict: NW (warps), BR (query rows per block), RT (tokens per block), NT (threads),
+    CPR (16-byte chunks per row), QI / KVI (chunks per thread of the Q / one K or V tile).
+    """
+    D, group = spec.head_dim, spec.group
+    BR = 16 * num_warps
+    NT = WARP * num_warps
+    CPR = D // 8
+    if (
+        spec.target_kind != "cuda"
+        or spec.dtype not in MMA
+        or D not in (64, 128)
+        or mask not in ("none", "causal")
+        or sliding
+        or inline_rope
+        or BR % group
+        or BR > 2 * BC
+        or NT % CPR
+        or (BR * CPR) % NT
+        or (BC * CPR) % NT
+    ):
+        return None
+    return {
+        "NW": num_warps,
+        "BR": BR,
+        "RT": BR // group,
+        "NT": NT,
+        "CPR": CPR,
+        "QI": BR * CPR // NT,
+        "KVI": BC * CPR // NT,
+    }
+
+
+def make_prefill_cuda(
+    spec: KernelSpec,
+    *,
+    source: str,
+    mask: str,
+    num_warps: int = DEFAULT_WARPS,
+    min_blocks: int | None | str = "auto",
+):
+    """The tensor-core PrimFunc for ``source`` "paged" (signature of ``prefill.make_paged_prefill``)
+    or "ragged" (signature of ``ragged.make_ragged_prefill``). The caller checks
+    :func:`prefill_layout` first.
+
+    ``num_warps`` (query rows per block = 16 x warps) and ``min_blocks`` (the second argument of
+    ``__launch_bounds__``, None for no register cap, "auto" for ``DEFAULT_MIN_BLOCKS[source]``) are
+    tuning knobs; the defaults are what the runtime uses."""
+    assert source in ("paged", "ragged")
+    lay = prefill_layout(spec, mask=mask, num_warps=num_warps)
+    assert lay is not None, "make_prefill_cuda called for a configuration outside the fast path"
+    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    group = spec.group
+    NW, BR, RT, NT, CPR, QI, KVI = (lay[k] for k in ("NW", "BR", "RT", "NT", "CPR", "QI", "KVI"))
+    LOGP = P.bit_length() - 1
+    PMASK = P - 1
+    paged = source == "paged"
+    causal = mask == "causal"
+    mma = MMA[dtype]
+    cvt = CVT[dtype]
+    NI = BC // 8  # n8 score tiles per warp
+    DN = D // 8  # n8 output tiles per warp
+    KD = D // 16  # k16 steps of Q K^T
+    SMEM_WORDS = SMEM_ROWS * D // 2  # fp16 / bf16 pairs as float32 words
+    neg_inf = float("-inf")
+    if min_blocks == "auto":
+        min_blocks = DEFAULT_MIN_BLOCKS[source]
+    MIN_BLOCKS = int(min_blocks or 0)  # __launch_bounds__(NT, MIN_BLOCKS): caps registers per thread
+    bound_blocks = MIN_BLOCKS > 0
+
+    # sv: per-block scalars (uniform across the block)
+    S_B, S_LT, S_T0, S_NTOK, S_KVLEN, S_KBASE, S_NKT, S_KFULL, S_QBASE, S_LO, S_HI, S_NTILE = range(12)
+
+    @_macro
+    def fetch_pid(kt):
+        # page ids of this thread's K/V rows of tile kt (keys clamped into the sequence)
+        if paged:
+            for i in T.unroll(KVI):
+                kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
+                pid[i] = page_indices[sv[S_KBASE] + (T.min(kt * BC + kr, sv[S_KVLEN] - 1) >> LOGP)]
+
+    @_macro
+    def issue_kv(kt, st):
+        # cp.async the K and V rows of tile kt into stage st (keys past the end re-read the last key)
+        for i in T.unroll(KVI):
+            kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
+            j = T.meta_var(T.min(kt * BC + kr, sv[S_KVLEN] - 1))
+            if paged:
+                T.ptx[CP16](
+                    sm.ptr_to([k_row(st, kr), swz(kr, kc)]), pages.ptr_to([pid[i], 0, hk, j & PMASK, kc * 8]), 16
+                )
+                T.ptx[CP16](
+                    sm.ptr_to([v_row(st, kr), swz(kr, kc)]), pages.ptr_to([pid[i], 1, hk, j & PMASK, kc * 8]), 16
+                )
+            else:
+                T.ptx[CP16](sm.ptr_to([k_row(st, kr), swz(kr, kc)]), k.ptr_to([sv[S_KBASE] + j, hk, kc * 8]), 16)
+                T.ptx[CP16](sm.ptr_to([v_row(st, kr), swz(kr, kc)]), v.ptr_to([sv[S_KBASE] + j, hk, kc * 8]), 16)
+
+    @_macro
+    def tile_body(kt):
+        # ---- S = Q K^T for this warp's 16 rows x BC keys (stage kt % 2)
+        for ni in T.unroll(NI):
+            for r in T.unroll(4):
+                s[ni, r] = T.float32(0)
+        for kk in T.unroll(KD):
+            for nj in T.unroll(NI // 2):
+                kn, kc = T.meta_var(lane_kmajor_b(lane))
+                T.ptx[LDSM](
+                    kf[0],
+                    kf[1],
+                    kf[2],
+                    kf[3],
+                    sm.ptr_to([k_row(kt % 2, nj * 16 + kn), swz(nj * 16 + kn, kk * 2 + kc)]),
+                )
+                for half in T.unroll(2):
+                    T.ptx[mma](
+                        s[nj * 2 + half, 0],
+                        s[nj * 2 + half, 1],
+                        s[nj * 2 + half, 2],
+                        s[nj * 2 + half, 3],
+                        qf[kk, 0],
+                        qf[kk, 1],
+                        qf[kk, 2],
+                        qf[kk, 3],
+                        kf[half * 2],
+                        kf[half * 2 + 1],
+                        s[nj * 2 + half, 0],
+                        s[nj * 2 + half, 1],
+                        s[nj * 2 + half, 2],
+                        s[nj * 2 + half, 3],
+                    )
+        # ---- mask (only tiles past the smallest row bound or the sequence end)
+        if (kt + 1) * BC > sv[S_KFULL]:
+            for ni in T.unroll(NI):
+                for r in T.unroll(4):
+                    if causal:
+                        s[ni, r] = T.if_then_else(
+                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < T.min(sv[S_KVLEN], rpos[r // 2] + 1),
+                            s[ni, r],
+                            T.float32(neg_inf),
+                        )
+                    else:
+                        s[ni, r] = T.if_then_else(
+                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < sv[S_KVLEN], s[ni, r], T.float32(neg_inf)
+                        )
+        # ---- online softmax on the accumulators: regs 0, 1 -> row g, regs 2, 3 -> row g + 8
+        for h in T.unroll(2):
+            mx[h] = T.max(s[0, 2 * h], s[0, 2 * h + 1])
+            for ni in T.unroll(1, NI):
+                mx[h] = T.max(mx[h], T.max(s[ni, 2 * h], s[ni, 2 * h + 1]))
+            mx[h] = T.max(m[h], T.cuda.warp_reduce(mx[h], "max", 4) * sl2[0])  # 4 lanes share a row
+            # subtract a finite base: a row with no visible key so far keeps p = 0, alpha = 0
+            base[h] = T.if_then_else(mx[h] == T.float32(neg_inf), T.float32(0), mx[h])
+            alpha[h] = T.exp2(m[h] - base[h])
+            m[h] = mx[h]
+            lsum[h] = lsum[h] * alpha[h]
+            for ni in T.unroll(NI):
+                for c in T.unroll(2):
+                    s[ni, 2 * h + c] = T.exp2(s[ni, 2 * h + c] * sl2[0] - base[h])
+                    lsum[h] = lsum[h] + s[ni, 2 * h + c]
+            for dn in T.unroll(DN):
+                for c in T.unroll(2):
+                    o_acc[dn, 2 * h + c] = o_acc[dn, 2 * h + c] * alpha[h]
+        # ---- O += P V: S tiles (2kk, 2kk+1) are the A fragment of key step kk
+        for kk in T.unroll(BC // 16):
+            T.ptx[cvt](pf[0], s[2 * kk, 1], s[2 * kk, 0])  # hi, lo
+            T.ptx[cvt](pf[1], s[2 * kk, 3], s[2 * kk, 2])
+            T.ptx[cvt](pf[2], s[2 * kk + 1, 1], s[2 * kk + 1, 0])
+            T.ptx[cvt](pf[3], s[2 * kk + 1, 3], s[2 * kk + 1, 2])
+            for nj in T.unroll(DN // 2):
+                vr, vc = T.meta_var(lane_rowmajor16(lane))
+                T.ptx[LDSM_T](
+                    vf[0],
+                    vf[1],
+                    vf[2],
+                    vf[3],
+                    sm.ptr_to([v_row(kt % 2, kk * 16 + vr), swz(kk * 16 + vr, nj * 2 + vc)]),
+                )
+                for half in T.unroll(2):
+                    T.ptx[mma](
+                        o_acc[nj * 2 + half, 0],
+                        o_acc[nj * 2 + half, 1],
+                        o_acc[nj * 2 + half, 2],
+                        o_acc[nj * 2 + half, 3],
+                        pf[0],
+                        pf[1],
+                        pf[2],
+                        pf[3],
+                        vf[half * 2],
+                        vf[half * 2 + 1],
+                        o_acc[nj * 2 + half, 0],
+                        o_acc[nj * 2 + half, 1],
+                        o_acc[nj * 2 + half, 2],
+                        o_acc[nj * 2 + half, 3],
+                    )
+
+    @_macro
+    def fa_body(n, B):
+        bx = T.launch_thread("blockIdx.x", (n // RT + B) * H_kv)
+        tx = T.launch_thread("threadIdx.x", NT)
+        lane = T.meta_var(tx % WARP)
+        w = T.meta_var(tx // WARP)
+        hk = T.meta_var(bx % H_kv)
+        if bound_blocks:
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_BLOCKS)
+        # shared memory: K/V stages 0 and 1, Q aliasing stage 1 (float32 words so that kernels of
+        # several dtypes in one module declare the same extern __shared__ array)
+        sm_raw = T.alloc_buffer((SMEM_WORDS,), "float32", scope="shared.dyn")
+        sm = T.decl_buffer((SMEM_ROWS, D), dtype, data=sm_raw.data, scope="shared.dyn")
+        red = T.alloc_buffer((2, NW), "float32", scope="shared")
+        sv = T.alloc_buffer((12,), "int32", scope="local")
+        rpos = T.alloc_buffer((2,), "int32", scope="local")  # causal bound of rows g, g + 8
+        pid = T.alloc_buffer((KVI,), "int32", scope="local")
+        qf = T.alloc_buffer((KD, 4), "uint32", scope="local")
+        kf = T.alloc_buffer((4,), "uint32", scope="local")
+        vf = T.alloc_buffer((4,), "uint32", scope="local")
+        pf = T.alloc_buffer((4,), "uint32", scope="local")
+        s = T.alloc_buffer((NI, 4), "float32", scope="local")
+        o_acc = T.alloc_buffer((DN, 4), "float32", scope="local")
+        m = T.alloc_buffer((2,), "float32", scope="local")
+        lsum = T.alloc_buffer((2,), "float32", scope="local")
+        mx = T.alloc_buffer((2,), "float32", scope="local")
+        base = T.alloc_buffer((2,), "float32", scope="local")
+        alpha = T.alloc_buffer((2,), "float32", scope="local")
+        sl2 = T.alloc_buffer((1,), "float32", scope="local")
+        pf32 = T.alloc_buffer((2,), "float32", scope="local")
+        rinv = T.alloc_buffer((2,), "float32", scope="local")
+        pk = T.alloc_buffer((1,), "uint32", scope="local")
+        o_pairs = T.decl_buffer((n * H_qo * D // 2,), "uint32", data=o.data)  # o as packed element pairs
+
+        # ---- which sequence and tile: largest b with tile_start(b) <= tile id (binary search)
+        sv[S_LO] = 0
+        sv[S_HI] = B
+        while sv[S_HI] - sv[S_LO] > 1:
+            if tile_start(q_indptr[(sv[S_LO] + sv[S_HI]) // 2], (sv[S_LO] + sv[S_HI]) // 2, RT) <= bx // H_kv:
+                sv[S_LO] = (sv[S_LO] + sv[S_HI]) // 2
+            else:
+                sv[S_HI] = (sv[S_LO] + sv[S_HI]) // 2
+        sv[S_B] = sv[S_LO]
+        sv[S_QBASE] = q_indptr[sv[S_B]]
+        sv[S_NTILE] = (q_indptr[sv[S_B] + 1] - sv[S_QBASE] + RT - 1) // RT
+        sv[S_LT] = sv[S_NTILE] - 1 - (bx // H_kv - tile_start(sv[S_QBASE], sv[S_B], RT))  # last tile first
+        if sv[S_LT] >= 0:
+            sv[S_T0] = sv[S_QBASE] + sv[S_LT] * RT
+            sv[S_NTOK] = T.min(RT, q_indptr[sv[S_B] + 1] - sv[S_T0])
+            if paged:
+                sv[S_KBASE] = page_indptr[sv[S_B]]
+                sv[S_KVLEN] = 0
+                if page_indptr[sv[S_B] + 1] > page_indptr[sv[S_B]]:
+                    sv[S_KVLEN] = (page_indptr[sv[S_B] + 1] - page_indptr[sv[S_B]] - 1) * P + last_page_len[sv[S_B]]
+            else:
+                sv[S_KBASE] = sv[S_QBASE]
+                sv[S_KVLEN] = q_indptr[sv[S_B] + 1] - sv[S_QBASE]
+            # causal bound of this thread's rows (w * 16 + g and + 8), token clamped into the tile
+            for h in T.unroll(2):
+                if paged:
+                    rpos[h] = q_pos[sv[S_T0] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[S_NTOK] - 1)]
+                else:
+                    rpos[h] = sv[S_T0] - sv[S_QBASE] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[S_NTOK] - 1)
+            # key range of the block: scan [0, kend), mask from kfull on
+            if causal:
+                if paged:
+                    pf32[0] = T.Cast("float32", q_pos[sv[S_T0] + T.min(tx % RT, sv[S_NTOK] - 1)])
+                    pf32[1] = T.cuda.warp_reduce(pf32[0], "max", WARP)
+                    pf32[0] = T.cuda.warp_reduce(-pf32[0], "max", WARP)
+                    if lane == 0:
+                        red[0, w] = pf32[1]
+                        red[1, w] = pf32[0]
+                    T.tvm_storage_sync("shared")
+                    pf32[1] = red[0, 0]
+                    pf32[0] = red[1, 0]
+                    for k2 in T.unroll(1, NW):
+                        pf32[1] = T.max(pf32[1], red[0, k2])
+                        pf32[0] = T.max(pf32[0], red[1, k2])
+                    sv[S_NKT] = T.max(T.min(sv[S_KVLEN], T.Cast("int32", pf32[1]) + 1), 0)
+                    sv[S_KFULL] = T.max(T.min(sv[S_KVLEN], 1 - T.Cast("int32", pf32[0])), 0)
+                else:
+                    sv[S_NKT] = sv[S_T0] - sv[S_QBASE] + sv[S_NTOK]
+                    sv[S_KFULL] = sv[S_T0] - sv[S_QBASE] + 1
+            else:
+                sv[S_NKT] = sv[S_KVLEN]
+                sv[S_KFULL] = sv[S_KVLEN]
+            sv[S_NKT] = (sv[S_NKT] + BC - 1) // BC
+            sl2[0] = sm_scale * T.float32(LOG2E)
+            for h in T.unroll(2):
+                m[h] = T.float32(neg_inf)
+                lsum[h] = T.float32(0)
+            for dn in T.unroll(DN):
+                for r in T.unroll(4):
+                    o_acc[dn, r] = T.float32(0)
+
+            # ---- Q tile (own cp.async group), then K/V tile 0
+            for i in T.unroll(QI):
+                qr, qc = T.meta_var(load_rc(tx, i, NT, CPR))
+                T.ptx[CP16](
+                    sm.ptr_to([q_row(qr), swz(qr, qc)]),
+                    q.ptr_to([sv[S_T0] + T.min(qr // group, sv[S_NTOK] - 1), hk * group + qr % group, qc * 8]),
+                    16,
+                )
+            T.ptx["cp.async.commit_group"]()
+            if sv[S_NKT] > 0:
+                fetch_pid(0)
+                issue_kv(0, 0)
+                fetch_pid(1)
+            T.ptx["cp.async.commit_group"]()
+            T.ptx["cp.async.wait_group"](1)
+            T.tvm_storage_sync("shared")
+            for kk in T.unroll(KD):
+                ar, ac = T.meta_var(lane_rowmajor16(lane))
+                T.ptx[LDSM](
+                    qf[kk, 0],
+                    qf[kk, 1],
+                    qf[kk, 2],
+                    qf[kk, 3],
+                    sm.ptr_to([q_row(w * 16 + ar), swz(w * 16 + ar, kk * 2 + ac)]),
+                )
+
+            # ---- key tiles: tile kt + 1 streams in while tile kt is computed
+            for kt in T.serial(sv[S_NKT]):
+                T.tvm_storage_sync("shared")  # everyone is done with stage (kt + 1) % 2
+                if kt + 1 < sv[S_NKT]:
+                    issue_kv(kt + 1, (kt + 1) % 2)
+                    fetch_pid(kt + 2)
+                T.ptx["cp.async.commit_group"]()
+                T.ptx["cp.async.wait_group"](1)
+                T.tvm_storage_sync("shared")
+                tile_body(kt)
+            T.ptx["cp.async.wait_group"](0)
+
+            # ---- o = O / l, lse = m + log2(l); a row without keys: o = 0, lse = -inf (a NaN l, from
+            # NaN inputs, propagates). One reciprocal per row; o leaves as packed pairs (32-bit stores).
+            for h in T.unroll(2):
+                lsum[h] = T.cuda.warp_reduce(lsum[h], "sum", 4)
+                rinv[h] = T.if_then_else(lsum[h] == T.float32(0), T.float32(0), T.float32(1) / lsum[h])
+            for h in T.unroll(2):
+                if (w * 16 + lane // 4 + 8 * h) // group < sv[S_NTOK]:
+                    for dn in T.unroll(DN):
+                        T.ptx[cvt](pk[0], o_acc[dn, 2 * h + 1] * rinv[h], o_acc[dn, 2 * h] * rinv[h])  # hi, lo
+                        o_pairs[
+                            (
+                                (sv[S_T0] + (w * 16 + lane // 4 + 8 * h) // group) * H_qo
+                                + hk * group
+                                + (w * 16 + lane // 4 + 8 * h) % group
+                            )
+                            * (D // 2)
+                            + dn * 4
+                            + lane % 4
+                        ] = pk[0]
+                    if lane % 4 == 0:
+                        lse[
+                            sv[S_T0] + (w * 16 + lane // 4 + 8 * h) // group,
+                            hk * group + (w * 16 + lane // 4 + 8 * h) % group,
+                        ] = T.if_then_else(lsum[h] == T.float32(0), T.float32(neg_inf), m[h] + T.log2(lsum[h]))
+
+    if paged:
+
+        @T.prim_func
+        def paged_prefill(
+            var_q: T.handle,
+            var_q_indptr: T.handle,
+            var_q_pos: T.handle,
+            var_pages: T.handle,
+            var_page_indptr: T.handle,
+            var_page_indices: T.handle,
+            var_last_page_len: T.handle,
+            var_kv_window: T.handle,
+            var_q_tree: T.handle,
+            var_kv_tree_indptr: T.handle,
+            var_kv_tree: T.handle,
+            var_kv_tree_start: T.handle,
+            var_o: T.handle,
+            var_lse: T.handle,
+            sm_scale: T.float32,
+            rope_scale: T.float32,
+            rope_theta: T.float32,
+        ):
+            T.func_attr({"tir.noalias": True})
+            n = T.int32()
+            B = T.int32()
+            num_pages = T.int32()
+            nnz = T.int32()
+            nt = T.int32()
+            bt = T.int32()
+            m_tree = T.int32()
+            bs = T.int32()
+            q = T.match_buffer(var_q, (n, H_qo, D), dtype)
+            q_indptr = T.match_buffer(var_q_indptr, (B + 1,), "int32")
+            q_pos = T.match_buffer(var_q_pos, (n,), "int32")
+            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+            q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
+            kv_tree_indptr = T.match_buffer(var_kv_tree_indptr, (bt,), "int32")
+            kv_tree = T.match_buffer(var_kv_tree, (m_tree, 3), "int32")
+            kv_tree_start = T.match_buffer(var_kv_tree_start, (bs,), "int32")
+            o = T.match_buffer(var_o, (n, H_qo, D), dtype)
+            lse = T.match_buffer(var_lse, (n, H_qo), "float32")
+            fa_body(n, B)
+
+        return paged_prefill
+
+    @T.prim_func
+    def ragged_prefill(
+        var_q: T.handle,
+        var_k: T.handle,
+        var_v: T.handle,
+        var_q_indptr: T.handle,
+        var_q_pos: T.handle,
+        var_q_tree: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr({"tir.noalias": True})
+        n = T.int32()
+        B1 = T.int32()
+        nt = T.int32()
+        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
+        k = T.match_buffer(var_k, (n, H_kv, D), dtype)
+        v = T.match_buffer(var_v, (n, H_kv, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (B1,), "int32")
+        q_pos = T.match_buffer(var_q_pos, (n,), "int32")
+        q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
+        o = T.match_buffer(var_o, (n, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (n, H_qo), "float32")
+        fa_body(n, B1 - 1)
+
+    return ragged_prefill
