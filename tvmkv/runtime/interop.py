@@ -26,7 +26,6 @@ a failed call leaves the cache unchanged. This module uses the cache's internal 
 
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -35,6 +34,7 @@ from ..errors import OutOfPagesError
 from ..tir.layout_shapes import LAYOUTS
 from ..tir.layout_shapes import foreign_shape as _foreign_shape
 from . import tensors
+from .cache import _as_int
 
 ARRAY_KINDS = ("numpy", "torch", "tvm")
 
@@ -89,13 +89,7 @@ class AtbViews(NamedTuple):
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _int(value, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be an int, not a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}={value!r} must be an int") from None
+_int = _as_int  # ints, not bools, with the argument named in the error
 
 
 def _layer(cache, layer) -> int:
