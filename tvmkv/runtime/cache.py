@@ -120,13 +120,14 @@ _MIRROR_VIEW = attrgetter("mirror.view")
 
 # Index arrays of a forward in the order they are packed into the upload buffer (docs/layout.md).
 # page_indices comes last: its length changes from step to step, the others' offsets depend only on
-# (B, n, tree nodes), so their device views are reused across steps of the same shape.
+# (B, n, tree nodes), so their device views are reused across steps of the same shape. q_pos, slots
+# and last_page_len sit next to each other: a repeated decode step advances all three with one add.
 _PACKED = (
     "q_indptr",
     "q_pos",
     "slots",
-    "page_indptr",
     "last_page_len",
+    "page_indptr",
     "kv_window",
     "q_tree",
     "kv_tree_indptr",
@@ -138,7 +139,7 @@ _PACKED = (
 def _layout(B: int, total: int, m: int) -> tuple:
     """``({name: (offset, shape)}, end)`` of the packed arrays before ``page_indices`` (at ``end``)."""
     n = total
-    shapes = ((B + 1,), (n,), (n,), (B + 1,), (B,), (B, 3), (max(n, 1), 2), (B + 1,), (m, 3), (B,))
+    shapes = ((B + 1,), (n,), (n,), (B,), (B + 1,), (B, 3), (max(n, 1), 2), (B + 1,), (m, 3), (B,))
     out, at = {}, 0
     for name, shape in zip(_PACKED, shapes):
         out[name] = (at, shape)
@@ -165,6 +166,9 @@ class _Forward:
     attn_tail: tuple = ()  # attention arguments after pages, before o
     attn_end: tuple = ()  # lse (after o, before sm_scale); rope (after sm_scale)
     paged: bool = True
+    kernels: tuple = ()  # (split_rope, append, attention) functions of the library
+    qkv_shape: tuple = ()  # [total, H_qo + 2 H_kv, D] expected of qkv
+    o_shape: tuple = ()  # [total, H_qo, D] expected of out
 
 
 @dataclass
@@ -183,6 +187,7 @@ class _Steady:
     q_pos: np.ndarray  # views of the packed host buffer (docs/layout.md)
     slots: np.ndarray
     last_page_len: np.ndarray
+    advance: np.ndarray  # one view from q_pos to the end of last_page_len (padding between included)
     page_indptr: np.ndarray
     layout: dict
     pi_off: int  # offset of page_indices in the packed buffer
@@ -352,6 +357,7 @@ class PagedAttentionKVCache(HostSwap):
         zeros = np.zeros(shape, tensors.numpy_dtype(cfg.dtype))
         self.pages = [tvm.runtime.tensor(zeros, self.device) for _ in range(cfg.num_layers)]
         self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, self.device.dlpack_device_type()
+        self._default_sm_scale = cfg.head_dim**-0.5
         self._ref = np.zeros(cfg.total_pages, np.int32)
         self._free = list(range(cfg.total_pages - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict = {}
@@ -640,18 +646,21 @@ class PagedAttentionKVCache(HostSwap):
         layer = layer_id if type(layer_id) is int else _as_int(layer_id, "layer_id")
         if not 0 <= layer < cfg.num_layers:
             raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
-        sm_scale = cfg.head_dim**-0.5 if sm_scale is None else float(sm_scale)
-        if not math.isfinite(sm_scale):
-            raise ValueError(f"sm_scale={sm_scale} must be finite")
-        if self._tvm_ok(qkv, cfg.qkv_heads) and (out is None or self._tvm_ok(out, cfg.num_qo_heads)):
+        if sm_scale is None:
+            sm_scale = self._default_sm_scale
+        else:
+            sm_scale = float(sm_scale)
+            if not math.isfinite(sm_scale):
+                raise ValueError(f"sm_scale={sm_scale} must be finite")
+        if self._tvm_ok(qkv, fwd.qkv_shape) and (out is None or self._tvm_ok(out, fwd.o_shape)):
             o = self._output_buffer(None, "tvm", fwd.total) if out is None else out  # the Relax VM's case
             self._run_layer(layer, qkv, o, sm_scale)
             return o
-        kind = self._check_array(qkv, "qkv", (fwd.total, cfg.qkv_heads, cfg.head_dim))
+        kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
         if out is not None:
             if tensors.array_kind(out) != kind:
                 raise TypeError(f"out is a {tensors.array_kind(out)} array but qkv is {kind}; pass the same kind")
-            self._check_array(out, "out", (fwd.total, cfg.num_qo_heads, cfg.head_dim))
+            self._check_array(out, "out", fwd.o_shape)
         qkv_dev = tensors.to_device(qkv, kind, self.device)
         o_dev = self._output_buffer(out, kind, fwd.total)
         self._run_layer(layer, qkv_dev, o_dev, sm_scale)
@@ -1065,6 +1074,7 @@ class PagedAttentionKVCache(HostSwap):
             q_pos=arr("q_pos"),
             slots=arr("slots"),
             last_page_len=arr("last_page_len"),
+            advance=host[layout["q_pos"][0] : layout["last_page_len"][0] + len(seqs)],
             page_indptr=arr("page_indptr"),
             layout=layout,
             pi_off=pi_off,
@@ -1104,10 +1114,9 @@ class PagedAttentionKVCache(HostSwap):
             S.nnz += len(opens)
             np.cumsum(S.npages, out=S.page_indptr[1:])
             np.concatenate(list(map(_MIRROR_VIEW, seqs)), out=S.host[S.pi_off : S.pi_off + S.nnz])
-        # every token is one slot and one position further than its sequence's previous one
-        S.q_pos += 1
-        S.slots += 1
-        lpl += 1
+        # every token is one slot and one position further than its sequence's previous one, and
+        # every last page one slot fuller: q_pos, slots, last_page_len (+ unread padding) += 1
+        S.advance += 1
         if len(opens):
             lpl[opens] = 1
             S.slots[opens] = np.asarray(new, np.int32) * P
@@ -1159,6 +1168,9 @@ class PagedAttentionKVCache(HostSwap):
             split=(d["q_pos"], s["q"], s["k"], s["v"], *rope),
             append=(s["k"], s["v"], d["slots"]),
             attn_end=(s["lse"], *rope),
+            kernels=(self._kernels["split_rope"], self._kernels["append"], self._kernels[kernel]),
+            qkv_shape=(total, cfg.qkv_heads, cfg.head_dim),
+            o_shape=(total, cfg.num_qo_heads, cfg.head_dim),
         )
         if kernel == "paged_decode":
             fwd.attn_head = (s["q"], d["q_pos"])
@@ -1180,13 +1192,14 @@ class PagedAttentionKVCache(HostSwap):
             )
         return fwd
 
-    def _tvm_ok(self, x, heads: int) -> bool:
-        """True when ``x`` is a tvm tensor of this forward that the kernels take as is; everything else
-        goes through :meth:`_check_array`, whose errors name what is wrong."""
+    def _tvm_ok(self, x, shape: tuple) -> bool:
+        """True when ``x`` is a contiguous tvm tensor of ``shape``, the cache's dtype and device, which
+        the kernels take as is; everything else goes through :meth:`_check_array`, whose errors name
+        what is wrong."""
         return (
             type(x) is self._tvm_tensor
             and x.is_contiguous()
-            and x.shape == (self._fwd.total, heads, self.config.head_dim)
+            and x.shape == shape
             and x.device.dlpack_device_type() == self._dl_device_type
             and x.dtype == self.config.dtype
         )
@@ -1220,15 +1233,16 @@ class PagedAttentionKVCache(HostSwap):
 
     def _run_layer(self, layer: int, qkv, o, sm_scale: float) -> None:
         """Launch one layer's kernels with the arguments :meth:`_bind` prepared (O(1) Python work)."""
-        fwd, kern = self._fwd, self._kernels
+        fwd = self._fwd
+        split_rope, append, attention = fwd.kernels
         pages = self.pages[layer]
-        kern["split_rope"](qkv, *fwd.split)
-        kern["append"](pages, *fwd.append)
+        split_rope(qkv, *fwd.split)
+        append(pages, *fwd.append)
         lse, rope_scale, rope_theta = fwd.attn_end
         if fwd.paged:
-            kern[fwd.kernel](*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
+            attention(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
         else:
-            kern[fwd.kernel](*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
+            attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
 
 
 def _parse_target(target):
