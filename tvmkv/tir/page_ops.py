@@ -214,47 +214,7 @@ def make_gather_pages(spec: KernelSpec):
     layer : int32
         Layer index in ``[0, L)``.
     """
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    HY = heads_per_block(H, D)
-    HB = (H + HY - 1) // HY
-
-    if spec.is_cpu:
-
-        @T.prim_func
-        def gather_pages(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
-            T.func_attr({"tir.noalias": True})
-            num_pages = T.int32()
-            m = T.int32()
-            L = T.int32()
-            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-            page_ids = T.match_buffer(var_ids, (m,), "int32")
-            staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
-            for i in T.parallel(m):
-                for kv, h, j in T.grid(2, H, P):
-                    for d in T.vectorized(D):
-                        staging[i, layer, kv, h, j, d] = pages[page_ids[i], kv, h, j, d]
-
-        return gather_pages
-
-    @T.prim_func
-    def gather_pages(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
-        T.func_attr({"tir.noalias": True})
-        num_pages = T.int32()
-        m = T.int32()
-        L = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-        page_ids = T.match_buffer(var_ids, (m,), "int32")
-        staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
-        for i in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
-            for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
-                for hy in T.thread_binding(HY, thread="threadIdx.y"):
-                    for d in T.thread_binding(D, thread="threadIdx.x"):
-                        h = T.meta_var(hb % HB * HY + hy)
-                        if i < m and h < H:
-                            for j in T.serial(P):
-                                staging[i, layer, hb // HB, h, j, d] = pages[page_ids[i], hb // HB, h, j, d]
-
-    return gather_pages
+    return _make_page_transfer(spec, to_staging=True)
 
 
 def make_scatter_pages(spec: KernelSpec):
@@ -272,14 +232,25 @@ def make_scatter_pages(spec: KernelSpec):
     layer : int32
         Layer index in ``[0, L)``.
     """
+    return _make_page_transfer(spec, to_staging=False)
+
+
+def _make_page_transfer(spec: KernelSpec, *, to_staging: bool):
+    """The one body of ``gather_pages`` (``to_staging``) and ``scatter_pages``: only which side of the
+    element copy is the destination differs."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
 
+    def route(pages, staging, layer, i, page, kv, h, j, d):
+        """(destination, its index, source, its index) of one element."""
+        ours, row = (page, kv, h, j, d), (i, layer, kv, h, j, d)
+        return (staging, row, pages, ours) if to_staging else (pages, ours, staging, row)
+
     if spec.is_cpu:
 
         @T.prim_func
-        def scatter_pages(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
+        def page_transfer(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
             T.func_attr({"tir.noalias": True})
             num_pages = T.int32()
             m = T.int32()
@@ -290,12 +261,13 @@ def make_scatter_pages(spec: KernelSpec):
             for i in T.parallel(m):
                 for kv, h, j in T.grid(2, H, P):
                     for d in T.vectorized(D):
-                        pages[page_ids[i], kv, h, j, d] = staging[i, layer, kv, h, j, d]
+                        dst, di, src, si = T.meta_var(route(pages, staging, layer, i, page_ids[i], kv, h, j, d))
+                        dst[di] = src[si]
 
-        return scatter_pages
+        return page_transfer
 
     @T.prim_func
-    def scatter_pages(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
+    def page_transfer(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
         T.func_attr({"tir.noalias": True})
         num_pages = T.int32()
         m = T.int32()
@@ -304,12 +276,15 @@ def make_scatter_pages(spec: KernelSpec):
         page_ids = T.match_buffer(var_ids, (m,), "int32")
         staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
         for i in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
-            for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):
+            for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
                     for d in T.thread_binding(D, thread="threadIdx.x"):
                         h = T.meta_var(hb % HB * HY + hy)
                         if i < m and h < H:
                             for j in T.serial(P):
-                                pages[page_ids[i], hb // HB, h, j, d] = staging[i, layer, hb // HB, h, j, d]
+                                dst, di, src, si = T.meta_var(
+                                    route(pages, staging, layer, i, page_ids[i], hb // HB, h, j, d)
+                                )
+                                dst[di] = src[si]
 
-    return scatter_pages
+    return page_transfer
