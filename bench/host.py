@@ -454,6 +454,30 @@ def render(rows, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine_meta(target: str) -> dict:
+    """Where and when a benchmark ran (date, host, CPU model and count, load, TVM, GPU name): the
+    header every bench/RESULTS.md section states."""
+    import tvm
+
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "ncpu": os.cpu_count(),
+        "load": os.getloadavg()[0],
+        "target": target,
+        "tvm": tvm.__version__,
+        "device": tvm.cuda(0).device_name if target == "cuda" else None,
+    }
+    try:
+        from bench.cpu import cpu_model
+
+        meta["cpu"] = cpu_model()
+    except Exception:  # noqa: BLE001
+        pass
+    return meta
+
+
 def write_results(table: str, begin: str = MARK_BEGIN, end: str = MARK_END) -> None:
     """Replace the section between ``begin`` and ``end`` of bench/RESULTS.md (append it if absent)."""
     path = ROOT / "bench" / "RESULTS.md"
@@ -490,7 +514,6 @@ def main(argv=None) -> int:
     if payload:  # GPU machine: runtime-only TVM needs its CUDA backend loaded first
         sys.path.insert(0, payload)
         import tvm_cuda_runtime  # noqa: F401
-    import tvm
 
     libs = stub_libraries(args.target, args.stubs)
     rows = []
@@ -512,24 +535,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
         rows += pair
-    dev = tvm.cuda(0) if args.target == "cuda" else None
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "ncpu": os.cpu_count(),
-        "load": os.getloadavg()[0],
-        "target": args.target,
-        "tvm": tvm.__version__,
-        "steps": args.steps,
-        "device": dev.device_name if dev is not None else None,
-    }
-    try:
-        from bench.cpu import cpu_model
-
-        meta["cpu"] = cpu_model()
-    except Exception:  # noqa: BLE001
-        pass
+    meta = {**machine_meta(args.target), "steps": args.steps}
     table = render(rows, meta)
     print(table)
     if args.out:

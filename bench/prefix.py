@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -214,7 +213,6 @@ def main(argv=None) -> int:
     if payload:  # GPU machine: runtime-only TVM needs its CUDA backend loaded first
         sys.path.insert(0, payload)
         import tvm_cuda_runtime  # noqa: F401
-    import tvm
 
     prompts = workload(args.requests, args.system)
     results = {}
@@ -232,16 +230,10 @@ def main(argv=None) -> int:
         )
     base, pref = results[False], results[True]
     err = max(float(np.abs(base["out"][k] - pref["out"][k]).max()) for k in base["out"])
-    dev = tvm.cuda(0) if args.target == "cuda" else None
+    from bench.host import machine_meta
+
     meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "ncpu": os.cpu_count(),
-        "load": os.getloadavg()[0],
-        "target": args.target,
-        "device": dev.device_name if dev is not None else None,
-        "tvm": tvm.__version__,
+        **machine_meta(args.target),
         "requests": args.requests,
         "system": args.system,
         "prompts": prompts,
@@ -255,12 +247,6 @@ def main(argv=None) -> int:
         "repeat": args.repeat,
         "page_aligned_reuse": pref["page_aligned_reuse"],
     }
-    try:
-        from bench.cpu import cpu_model
-
-        meta["cpu"] = cpu_model()
-    except Exception:  # noqa: BLE001
-        pass
     table = render(meta, base, pref, err)
     print(table)
     tol = 1e-3 if args.dtype == "float32" else 2e-2

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -242,29 +241,15 @@ def main(argv=None) -> int:
     if payload:  # GPU machine: the runtime-only TVM needs its CUDA backend loaded first
         sys.path.insert(0, payload)
         import tvm_cuda_runtime  # noqa: F401
-    import tvm
 
     gpu = args.target == "cuda"
     layers = args.layers or (32 if gpu else 8)
     seqs = args.seqs or (32 if gpu else 8)
     tokens = args.tokens or (1024 if gpu else 512)
     r = run(args.target, layers, seqs, tokens, args.reps)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "ncpu": os.cpu_count(),
-        "load": os.getloadavg()[0],
-        "tvm": tvm.__version__,
-        "reps": args.reps,
-        "device": tvm.cuda(0).device_name if gpu else None,
-    }
-    try:
-        from bench.cpu import cpu_model
+    from bench.host import machine_meta
 
-        meta["cpu"] = cpu_model()
-    except Exception:  # noqa: BLE001
-        pass
+    meta = {**machine_meta(args.target), "reps": args.reps}
     table = render(r, meta)
     print(json.dumps(r, indent=1))
     print(table)
