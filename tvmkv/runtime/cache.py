@@ -184,8 +184,7 @@ class _Steady:
     version: int  # the cache's _version after the step; any other change bumps it
     npages: np.ndarray  # int64 [B] pages of each sequence
     host: np.ndarray  # the packed host buffer the views below point into
-    q_pos: np.ndarray  # views of the packed host buffer (docs/layout.md)
-    slots: np.ndarray
+    slots: np.ndarray  # views of the packed host buffer (docs/layout.md)
     last_page_len: np.ndarray
     advance: np.ndarray  # one view from q_pos to the end of last_page_len (padding between included)
     page_indptr: np.ndarray
@@ -1071,7 +1070,6 @@ class PagedAttentionKVCache(HostSwap):
             version=self._version,
             npages=npages.astype(np.int64),
             host=host,
-            q_pos=arr("q_pos"),
             slots=arr("slots"),
             last_page_len=arr("last_page_len"),
             advance=host[layout["q_pos"][0] : layout["last_page_len"][0] + len(seqs)],
