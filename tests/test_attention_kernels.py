@@ -415,6 +415,16 @@ def test_reference_matches_dense_softmax(rng):
             np.testing.assert_allclose(lse_ref[r, h], np.log2(np.exp(s).sum()), rtol=1e-12)
 
 
+def _assert_nvcc_accepts(src: str, path, diag_suppress: str) -> None:
+    """nvcc compiles the CUDA source ``src`` (written to ``path``) to a cubin for sm_80 and sm_90."""
+    path.write_text(src)
+    for arch in ("sm_80", "sm_90"):
+        cubin = path.with_suffix(f".{arch}.cubin")
+        cmd = ["nvcc", f"-arch={arch}", "--cubin", f"-diag-suppress={diag_suppress}", "-o", str(cubin), str(path)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_codegen_compiles(tmp_path):
     """The cuda schedules (all six kernels, sliding + inline RoPE) give CUDA source nvcc accepts for
@@ -434,19 +444,7 @@ def test_cuda_codegen_compiles(tmp_path):
         funcs[f"ragged_prefill_{m}"] = make_ragged_prefill(spec, mask=m, inline_rope=True)
     src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
     assert all(f"{name}_kernel" in src for name in funcs)
-    (tmp_path / "attn.cu").write_text(src)
-    for arch in ("sm_80", "sm_90"):
-        cmd = [
-            "nvcc",
-            f"-arch={arch}",
-            "--cubin",
-            "-diag-suppress=1046,177",
-            "-o",
-            str(tmp_path / "a.cubin"),
-            str(tmp_path / "attn.cu"),
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
+    _assert_nvcc_accepts(src, tmp_path / "attn.cu", "1046,177")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -470,19 +468,7 @@ def test_prefill_cuda_fast_path_compiles(tmp_path):
         funcs[f"rg_causal_{k}"] = make_ragged_prefill(spec, mask="causal")
     src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
     assert src.count("mma.sync.aligned.m16n8k16") >= 2 and "ldmatrix" in src and "cp.async" in src
-    (tmp_path / "pf.cu").write_text(src)
-    for arch in ("sm_80", "sm_90"):
-        cmd = [
-            "nvcc",
-            f"-arch={arch}",
-            "--cubin",
-            "-diag-suppress=1046,177,550",
-            "-o",
-            str(tmp_path / "p.cubin"),
-            str(tmp_path / "pf.cu"),
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
+    _assert_nvcc_accepts(src, tmp_path / "pf.cu", "1046,177,550")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -504,16 +490,4 @@ def test_decode_cuda_fast_path_compiles(tmp_path):
         funcs[f"decode_{k}"] = make_paged_decode_cuda(spec, sliding=k > 0, inline_rope=k == 1)
     funcs["decode_db"] = make_paged_decode_cuda(specs[0], double_buffer=True, unroll=2)
     src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
-    (tmp_path / "dec.cu").write_text(src)
-    for arch in ("sm_80", "sm_90"):
-        cmd = [
-            "nvcc",
-            f"-arch={arch}",
-            "--cubin",
-            "-diag-suppress=1046,177,550",
-            "-o",
-            str(tmp_path / "d.cubin"),
-            str(tmp_path / "dec.cu"),
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
+    _assert_nvcc_accepts(src, tmp_path / "dec.cu", "1046,177,550")
