@@ -92,14 +92,27 @@ def prepare(out: Path) -> None:
     print(f"wrote {out} ({size / 2**20:.2f} MiB, {fmt}, every function has a CUDA kernel) in {time.time() - t0:.0f}s")
 
 
+# GPU clock cycles of the spin (torch.cuda._sleep) queued ahead of each timed call in device timing:
+# ~0.2 ms, longer than any contender's host-side launch work, so the call's kernels are all queued
+# when the start event fires and the events measure only the device
+SLEEP_CYCLES = 400_000
+
+
 class Bench:
     def __init__(self, reps: int):
         import torch
 
         self.torch, self.reps = torch, reps
 
-    def time(self, fn) -> float:
-        """Median µs of ``fn()`` over ``reps`` calls, each timed with CUDA events."""
+    def time(self, fn, *, queued: bool = True) -> float:
+        """Median µs of ``fn()`` over ``reps`` calls, each timed with CUDA events.
+
+        ``queued`` (device time, the tables' main numbers): each call is queued behind a GPU spin, so
+        the host-side cost of launching its kernels (Python, TVM's packed calls, torch's dispatch)
+        overlaps the spin and only the device's work is timed, as under a CUDA graph or in a model
+        whose layers keep the GPU busy. ``queued=False`` (call time): the GPU idles while the host
+        launches, so that cost is included.
+        """
         torch = self.torch
         for _ in range(3):
             fn()
@@ -107,6 +120,8 @@ class Bench:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         for s, e in zip(starts, ends):
+            if queued:
+                torch.cuda._sleep(SLEEP_CYCLES)
             s.record()
             fn()
             e.record()
@@ -118,7 +133,7 @@ class Bench:
         torch = self.torch
         a = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
         b = torch.empty_like(a)
-        us = self.time(lambda: b.copy_(a))
+        us = self.time(lambda: b.copy_(a), queued=False)
         return 2 * a.numel() / (us * 1e-6) / 1e9
 
 
@@ -193,7 +208,22 @@ def torch_run(c):
     return run, get
 
 
-def tvmkv_run(c, lib):
+def decode_split_of(c, forced=None):
+    """The split ``begin_forward`` would choose for this decode case (``forced``: decode_splits)."""
+    import tvm
+
+    from tvmkv.runtime.decode_split import plan_split
+    from tvmkv.tir.decode_plan import split_granule
+    from tvmkv.tir.spec import KernelSpec
+
+    blocks, tile = split_granule(KernelSpec(H_QO, H_KV, D, P, DTYPE, "cuda"))
+    sms = tvm.cuda(0).multi_processor_count
+    return plan_split(c["B"], c["L"], blocks_per_seq=blocks, tile_keys=tile, num_sms=sms, max_splits=forced)
+
+
+def tvmkv_run(c, lib, split=None):
+    """tvmkv's kernels on case ``c``; decode runs with ``split`` (default: the cache's own choice),
+    i.e. ``paged_decode`` or ``paged_decode_split`` + ``merge_splits``."""
     import tvm
 
     dev = tvm.cuda(0)
@@ -209,6 +239,19 @@ def tvmkv_run(c, lib):
     lse = tvm.runtime.empty((rows, H_QO), "float32", dev)
     s = D**-0.5
     if c["kind"] == "decode":
+        split = decode_split_of(c) if split is None else split
+        c["split"] = tuple(split)
+        if split.num_splits > 1:
+            o_part = tvm.runtime.empty((split.num_splits, B, H_QO, D), "float32", dev)
+            lse_part = tvm.runtime.empty((split.num_splits, B, H_QO), "float32", dev)
+            f_split, f_merge = lib["paged_decode_split"], lib["merge_splits"]
+            args = (q, q_pos, pages, pi, px, lpl, kvw, o_part, lse_part, s, 1.0, 1e4, split.kv_chunk)
+
+            def run():
+                f_split(*args)
+                f_merge(o_part, lse_part, o, lse)
+
+            return run, (lambda: o.numpy().astype("float32"))
         f = lib["paged_decode"]
         args = (q, q_pos, pages, pi, px, lpl, kvw, o, lse, s, 1.0, 1e4)
     elif c["hist"] == 0:
@@ -517,6 +560,7 @@ def tvm_worker(mode: str, specs: list, tvm_dir: Path, reps: int) -> int:
             tr[0]()
             res["max_err"] = float(np.abs(get() - tr[1]()).max())
             res["us"] = bench.time(run)
+            res["call_us"] = bench.time(run, queued=False)
         except Exception as err:  # noqa: BLE001 - reported to the parent, next case goes on
             traceback.print_exc()
             res["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
@@ -728,6 +772,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-tvm-cache", action="store_true", help="leave out TVM's cache (keep its kernels)")
     ap.add_argument("--tvm-budget", type=float, default=300, help="seconds for all TVM workers together")
     ap.add_argument("--selfcheck-tvm-cpu", action="store_true", help="build machine: check the TVM paths on CPU")
+    ap.add_argument(
+        "--split-sweep",
+        action="store_true",
+        help="time tvmkv's decode at every split count on more shapes (tunes tvmkv/runtime/decode_split.py)",
+    )
     ap.add_argument("--tvm-worker", choices=("kernel", "cache"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-cases", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -770,6 +819,8 @@ def main(argv=None) -> int:
     meta["copy_GBps"] = guard("copy rate", bench.copy_rate, float("nan"))
     lib = guard("load tvmkv kernels", lambda: load_kernels(KernelSpec(H_QO, H_KV, D, P, DTYPE, "cuda"), arch="sm_90"))
     print(f"{meta['card']}: D2D copy {meta['copy_GBps']:.0f} GB/s", flush=True)
+    if args.split_sweep:
+        return split_sweep(lib, bench, meta, args.out)
     cases = [("decode", b, 1, ctx) for b, ctx in DECODE] + [("prefill", b, n, h) for b, n, h in PREFILL]
     if args.quick:
         cases = [cases[0], cases[len(DECODE)]]
@@ -796,6 +847,7 @@ def main(argv=None) -> int:
             tr[0]()
             ref = tr[1]()
             row["torch_us"] = guard(f"{row['case']} torch time", lambda: bench.time(tr[0]))
+            row["torch_call_us"] = guard(f"{row['case']} torch time", lambda: bench.time(tr[0], queued=False))
         if lib is not None:
             print(f"[{row['case']}] tvmkv", flush=True)
             kr = guard(f"{row['case']} tvmkv", lambda: tvmkv_run(c, lib))
@@ -804,11 +856,14 @@ def main(argv=None) -> int:
                 if ref is not None:
                     row["tvmkv_max_err"] = float(np.abs(kr[1]() - ref).max())
                 row["tvmkv_us"] = guard(f"{row['case']} tvmkv time", lambda: bench.time(kr[0]))
+                row["tvmkv_call_us"] = guard(f"{row['case']} tvmkv time", lambda: bench.time(kr[0], queued=False))
+                if "split" in c:
+                    row["tvmkv_split"] = list(c["split"])
         for mode, key in (("kernel", "tvm_kernel"), ("cache", "tvm")):
             res = tvm_results.get(mode, {}).get((kind, B, n, hist))
             if res is None:
                 continue
-            row.update({f"{key}_{k}": v for k, v in res.items() if k in ("us", "max_err", "kernel")})
+            row.update({f"{key}_{k}": v for k, v in res.items() if k in ("us", "call_us", "max_err", "kernel")})
             if "error" in res:
                 errors.append(f"{row['case']} TVM {mode}: {res['error']}")
             elif res.get("max_err", 0) > 1e-2:
@@ -817,6 +872,7 @@ def main(argv=None) -> int:
             fc = guard(f"{row['case']} tvmkv full cache", lambda: tvmkv_full_cache_run(c))
             if fc:
                 row["tvmkv_full_cache_us"] = guard("full cache time", lambda: bench.time(fc[0]))
+                row["tvmkv_full_cache_call_us"] = guard("full cache time", lambda: bench.time(fc[0], queued=False))
                 del fc
         for key in ("tvmkv", "tvm_kernel", "tvm", "torch"):
             us = row.get(f"{key}_us")
@@ -837,6 +893,61 @@ def main(argv=None) -> int:
     return 1 if errors else 0
 
 
+SWEEP_SHAPES = [(1, 1024), (1, 4096), (1, 16384), (4, 2048), (8, 1024), (16, 1024), (16, 4096), (32, 1024)]
+SWEEP_SHAPES += [(32, 4096), (64, 1024), (64, 4096)]
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def split_sweep(lib, bench, meta, out: Path) -> int:
+    """Decode µs of every split count (decode_splits forced) per shape, beside the automatic choice;
+    outputs checked against NumPy at the automatic split."""
+    from tvmkv.runtime.decode_split import NO_SPLIT
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for B, L in SWEEP_SHAPES:
+        c = make_case("decode", B, 1, L, rng)
+        auto = decode_split_of(c)
+        row = {"case": f"decode {B}x{L}", "auto": list(auto), "us": {}, "call_us": {}}
+        seen = set()
+        for forced in SWEEP_SPLITS:
+            split = decode_split_of(c, forced) if forced > 1 else NO_SPLIT
+            if split.num_splits in seen:
+                continue
+            seen.add(split.num_splits)
+            run, get = tvmkv_run(c, lib, split)
+            run()
+            if split == auto:
+                row["max_err"] = float(np.abs(get() - numpy_attention(c)).max())
+            row["us"][split.num_splits] = bench.time(run)
+            row["call_us"][split.num_splits] = bench.time(run, queued=False)
+        best = min(row["us"], key=row["us"].get)
+        row["best"] = best
+        row["auto_us"] = row["us"].get(auto.num_splits)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    lines = [
+        f"Split sweep on **{meta['card']}** ({meta['date']}): decode device µs (queued, see Bench.time) by splits "
+        f"(fp16, H_qo {H_QO}, H_kv {H_KV}, D {D}, page {P}); auto = tvmkv/runtime/decode_split.py's choice.",
+        "",
+        "| case | auto splits | auto µs | best splits | best µs | " + " | ".join(f"S={k}" for k in SWEEP_SPLITS) + " |",
+        "| --- " * (5 + len(SWEEP_SPLITS)) + "|",
+    ]
+    for r in rows:
+        cells = [f"{r['us'][k]:.1f}" if k in r["us"] else "" for k in SWEEP_SPLITS]
+        lines.append(
+            f"| {r['case']} | {r['auto'][0]} | {r['auto_us']:.1f} | {r['best']} | {r['us'][r['best']]:.1f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    (out / "split_sweep.md").write_text(table)
+    (out / "split_sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    bad = [r for r in rows if r.get("max_err", 1) > 1e-2]
+    return 1 if bad else 0
+
+
 def render(rows, meta, errors) -> str:
     def f(x, spec):
         return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
@@ -845,18 +956,22 @@ def render(rows, meta, errors) -> str:
         "## GPU",
         "",
         f"Measured {meta['date']} on **{meta['card']}** (torch {meta['torch']}, TVM {meta['tvm']}). "
-        f"fp16, H_qo {H_QO}, H_kv {H_KV}, D {D}, page {P}. Median µs of {meta['reps']} calls (CUDA events). "
+        f"fp16, H_qo {H_QO}, H_kv {H_KV}, D {D}, page {P}. Median µs of {meta['reps']} calls (CUDA events), "
+        "device time: each call is queued behind a GPU spin so that host-side launch work (Python, packed "
+        "calls, torch dispatch) is hidden for every contender alike (per-call times with it included: second "
+        "table). "
         f"KV bandwidth as % of the device-to-device copy rate measured in the same run "
         f"({f(meta.get('copy_GBps'), '.0f')} GB/s read+write). tvmkv = kernels called directly; TVM kernel = "
         "TVM's own TIR kernel of the same role called directly on the same layout (decode: batch_decode_paged_kv; "
         "prefill without history: batch_prefill_ragged_kv; with history: batch_prefill_paged_kv); TVM = its "
         "cache's attention call (also splits q/k/v and appends K/V; with history: paged + ragged + merge); "
-        "torch = SDPA on contiguous K/V. "
+        "torch = SDPA on contiguous K/V. Splits = chunks per sequence of tvmkv's decode (flash-decoding, "
+        "chosen as begin_forward does; 1 = paged_decode, else paged_decode_split + merge_splits). "
         "Ratio = baseline µs / tvmkv µs (> 1: tvmkv faster). `bench/gpu.py` regenerates this.",
         "",
-        "| case | tvmkv µs | TVM kernel µs | TVM µs | torch µs | vs TVM kernel | vs TVM | vs torch "
+        "| case | tvmkv µs | splits | TVM kernel µs | TVM µs | torch µs | vs TVM kernel | vs TVM | vs torch "
         "| tvmkv KV bw % | tvmkv TFLOP/s | torch TFLOP/s | max err vs torch (tvmkv / TVM kernel / TVM) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         ours = r.get("tvmkv_us")
@@ -864,19 +979,40 @@ def render(rows, meta, errors) -> str:
         def ratio(key, r=r, ours=ours):
             return f(r[key] / ours, ".2f") + "x" if r.get(key) and ours else "n/a"
 
+        splits = r["tvmkv_split"][0] if r.get("tvmkv_split") else "-"
         lines.append(
-            f"| {r['case']} | {f(ours, ',.1f')} | {f(r.get('tvm_kernel_us'), ',.1f')} | {f(r.get('tvm_us'), ',.1f')} "
+            f"| {r['case']} | {f(ours, ',.1f')} | {splits} | {f(r.get('tvm_kernel_us'), ',.1f')} "
+            f"| {f(r.get('tvm_us'), ',.1f')} "
             f"| {f(r.get('torch_us'), ',.1f')} | {ratio('tvm_kernel_us')} | {ratio('tvm_us')} | {ratio('torch_us')} "
             f"| {f(r.get('tvmkv_bw_pct'), '.0f')} | {f(r.get('tvmkv_tflops'), '.1f')} "
             f"| {f(r.get('torch_tflops'), '.1f')} "
             f"| {f(r.get('tvmkv_max_err'), '.1e')} / {f(r.get('tvm_kernel_max_err'), '.1e')} "
             f"/ {f(r.get('tvm_max_err'), '.1e')} |"
         )
+    lines += [
+        "",
+        "Per call, host-side launch work included (no spin ahead; what one eager call costs):",
+        "",
+        "| case | tvmkv µs | TVM kernel µs | TVM µs | torch µs | vs TVM kernel | vs TVM | vs torch |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        ours = r.get("tvmkv_call_us")
+
+        def ratio(key, r=r, ours=ours):
+            return f(r[key] / ours, ".2f") + "x" if r.get(key) and ours else "n/a"
+
+        lines.append(
+            f"| {r['case']} | {f(ours, ',.1f')} | {f(r.get('tvm_kernel_call_us'), ',.1f')} "
+            f"| {f(r.get('tvm_call_us'), ',.1f')} | {f(r.get('torch_call_us'), ',.1f')} "
+            f"| {ratio('tvm_kernel_call_us')} | {ratio('tvm_call_us')} | {ratio('torch_call_us')} |"
+        )
     full = [r for r in rows if r.get("tvmkv_full_cache_us")]
     for r in full:
         lines.append(
             f"\nThrough the full tvmkv cache (split + append + attention), {r['case']}: "
-            f"{r['tvmkv_full_cache_us']:,.1f} µs (TVM's cache: {f(r.get('tvm_us'), ',.1f')} µs)."
+            f"{r['tvmkv_full_cache_us']:,.1f} µs device / {f(r.get('tvmkv_full_cache_call_us'), ',.1f')} µs per call "
+            f"(TVM's cache: {f(r.get('tvm_us'), ',.1f')} / {f(r.get('tvm_call_us'), ',.1f')} µs)."
         )
     for e in errors:
         lines.append(f"\nFAILED {e}")

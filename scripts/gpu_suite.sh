@@ -44,6 +44,7 @@ fi
 if [[ $parts == *bench* ]] && [ -z "${NO_BENCH:-}" ]; then  # issue 4/5/8 measurements (need build/tvm-cuda-sm_90, build/host-stubs-cuda)
   # TVM's cache and kernels run in worker processes (a crash is reported per case, not fatal)
   TAIL=40 step bench_gpu python3 bench/gpu.py --tvm-lib build/tvm-cuda-sm_90 --out "$out"
+  TAIL=16 step bench_split python3 bench/gpu.py --split-sweep --out "$out"
   TAIL=20 step bench_host python3 bench/host.py --target cuda --stubs build/host-stubs-cuda --out "$out"
   TAIL=20 step bench_swap python3 bench/swap.py --target cuda --out "$out"
   TAIL=20 step bench_prefix python3 bench/prefix.py --target cuda

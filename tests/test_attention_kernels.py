@@ -233,6 +233,56 @@ def test_paged_decode(target, cfg, rng):
     assert np.isneginf(lse.numpy()[4]).all() and (o.numpy()[4].astype(np.float32) == 0).all()
 
 
+SPLIT_CFGS = [  # dtype, D, P, group, sliding, inline rope (kernel sets the other tests build too)
+    ("float16", 128, 16, 4, False, False),
+    ("float32", 64, 8, 2, False, False),
+    ("bfloat16", 64, 16, 4, False, False),
+    ("float16", 128, 1, 2, True, False),
+    ("float32", 64, 8, 2, True, True),
+    ("float16", 128, 1, 2, False, True),
+]
+
+
+@pytest.mark.parametrize("cfg", SPLIT_CFGS, ids=lambda c: "-".join(map(str, c)))
+def test_paged_decode_split(target, cfg, rng):
+    """Flash-decoding: each chunk's partial state against the reference, then merge_splits against
+    the unsplit decode, for chunk sizes below a tile, of several tiles and beyond every sequence."""
+    *core, sliding, rope = cfg
+    spec = _spec(target, tuple(core))
+    lib = _kernels(spec, rope=rope, sliding=sliding)
+    P = spec.page_size
+    kv_lens = [0, 1, 2 * P + 3, 37, 300, 777]  # the empty sequence sees no key in any chunk
+    B = len(kv_lens)
+    pg = Paged(rng, spec, kv_lens)
+    if sliding:
+        pg.kv_window[:] = [(0, 0, 0), (1, 0, 0), (4, 2 * P, 9), (0, 0, 0), (3, 200, 40), (16, 500, 7)]
+    q = _rand(rng, (B, spec.num_qo_heads, spec.head_dim), spec.dtype)
+    q_pos = np.array([max(L - 1, 0) + w[2] for L, w in zip(kv_lens, pg.kv_window, strict=True)], np.int32)
+    sm_scale = 1.0 / math.sqrt(spec.head_dim)
+    kw = dict(sliding=sliding, inline_rope=rope)
+    o_full, lse_full = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA, **kw)
+    args = [to_dev(a, target) for a in (q, q_pos, pg.pages, *pg.tables())]
+    tol = _tol("float32", rope)
+    for kv_chunk in (5, 64, 200, 1000):
+        S = -(-max(kv_lens) // kv_chunk)
+        o_ref, lse_ref = ref.paged_decode_split(
+            q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA, kv_chunk, S, **kw
+        )
+        o_part = to_dev(np.full((S, B, spec.num_qo_heads, spec.head_dim), np.nan, np.float32), target)
+        lse_part = to_dev(np.full((S, B, spec.num_qo_heads), np.nan, np.float32), target)
+        lib["paged_decode_split"](*args, o_part, lse_part, sm_scale, ROPE_SCALE, ROPE_THETA, kv_chunk)
+        lp = lse_part.numpy().astype(np.float64)
+        assert np.array_equal(np.isneginf(lp), np.isneginf(lse_ref)), f"empty chunks differ (kv_chunk {kv_chunk})"
+        fin = np.isfinite(lse_ref)
+        np.testing.assert_allclose(lp[fin], lse_ref[fin], atol=tol, rtol=tol)
+        np.testing.assert_allclose(o_part.numpy(), o_ref, atol=tol, rtol=tol)
+        o = to_dev(np.ones_like(q), target)
+        lse = to_dev(np.zeros((B, spec.num_qo_heads), np.float32), target)
+        lib["merge_splits"](o_part, lse_part, o, lse)
+        _check(o, lse, o_full, lse_full, spec.dtype, rope)
+    assert np.isneginf(lse.numpy()[0]).all() and (o.numpy()[0].astype(np.float32) == 0).all()
+
+
 def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False):
     n = sum(new)
     q = _rand(rng, (n, spec.num_qo_heads, spec.head_dim), spec.dtype)
@@ -475,9 +525,11 @@ def test_prefill_cuda_fast_path_compiles(tmp_path):
 def test_decode_cuda_fast_path_compiles(tmp_path):
     """The bandwidth-oriented cuda decode schedule (tvmkv.tir.decode_cuda) for shapes the codegen
     test above leaves to the generic path: GQA group 4 and 16, fp32 head_dim 256, page size 1,
-    sliding + inline RoPE, and the double-buffered variant; nvcc must accept it for sm_80/sm_90."""
+    sliding + inline RoPE, the double-buffered variant, and the split (flash-decoding) kernel with
+    the merge of its chunks; nvcc must accept it for sm_80/sm_90."""
     from tvmkv.build import compile_funcs
     from tvmkv.tir.decode_cuda import decode_layout, make_paged_decode_cuda
+    from tvmkv.tir.merge import make_merge_splits
 
     specs = [
         KernelSpec(32, 8, 128, 16, "float16", "cuda"),
@@ -488,6 +540,11 @@ def test_decode_cuda_fast_path_compiles(tmp_path):
     for k, spec in enumerate(specs):
         assert decode_layout(spec) is not None
         funcs[f"decode_{k}"] = make_paged_decode_cuda(spec, sliding=k > 0, inline_rope=k == 1)
+        funcs[f"split_{k}"] = make_paged_decode_cuda(spec, sliding=k > 0, inline_rope=k == 1, split=True)
     funcs["decode_db"] = make_paged_decode_cuda(specs[0], double_buffer=True, unroll=2)
+    funcs["merge_splits"] = make_merge_splits(specs[0])
     src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
+    assert "int kv_chunk" in src and "cp.async.cg.shared.global" in src
     _assert_nvcc_accepts(src, tmp_path / "dec.cu", "1046,177,550")
+    # outside the fast layout (D 80: 40 elements per lane) there is no split kernel
+    assert make_paged_decode_cuda(KernelSpec(12, 1, 80, 8, "bfloat16", "cuda"), split=True) is None

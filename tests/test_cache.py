@@ -64,6 +64,16 @@ def test_replay(target, scenario, dtype, head_dim, rope_mode, group, page_size):
     assert cache.num_available_pages() == r.initial_free == cache.config.total_pages
 
 
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_replay_split_decode(target, scenario):
+    """Every scenario with flash-decoding forced (decode_splits=4; inline RoPE, page size 1 and, where
+    the scenario needs it, sliding windows ride along): outputs still match the model."""
+    cache = make_cache(target, "float16", 64, "inline", 4, 1, sliding=scenario in NEEDS_SLIDING, decode_splits=4)
+    r = Replayer(cache, seed=7)
+    assert len(r.run(SCENARIOS[scenario])) == len(SCENARIOS[scenario])
+    assert cache.num_available_pages() == cache.config.total_pages
+
+
 def test_bfloat16_replay(target):
     cache = make_cache(target, "bfloat16", 64, "normal", 4, 16)
     Replayer(cache).run(SCENARIOS["fork"])

@@ -48,8 +48,11 @@ def _ops(sliding: bool, rng) -> list:
     return ops
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto_split", "split3"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "q{}_kv{}_d{}_p{}_{}{}".format(*c[:5], "_sw" * c[5]))
-def test_back_to_back_forwards_match_model(target, cfg):
+def test_back_to_back_forwards_match_model(target, cfg, splits):
+    """``splits=3`` forces flash-decoding (decode_splits): every decode step, fast path included,
+    cuts its sequences into chunks and merges them; the outputs must not change."""
     H_qo, H_kv, D, P, dtype, sliding = cfg
     layers = 2
     cache = PagedAttentionKVCache(
@@ -65,6 +68,7 @@ def test_back_to_back_forwards_match_model(target, cfg):
         support_sliding_window=sliding,
         target=target,
         num_pages=160,
+        decode_splits=splits,
     )
     rep = Replayer(cache, seed=1)
     rng = np.random.default_rng(0)
@@ -78,7 +82,7 @@ def test_back_to_back_forwards_match_model(target, cfg):
             qkv = [rng.uniform(-1, 1, (n, H_qo + 2 * H_kv, D)).astype(numpy_dtype(dtype)) for _ in range(layers)]
             inputs.append([(q, tvm.runtime.tensor(q, dev)) for q in qkv])
     dev.sync()
-    outputs, slots = [], []
+    outputs, slots, chunks = [], [], []
     it = iter(inputs)
     for op in ops:
         if op[0] not in ("fwd", "tree"):
@@ -94,6 +98,8 @@ def test_back_to_back_forwards_match_model(target, cfg):
         cache.begin_forward(ids, lengths, flat)
         rep.model.begin(ids, lengths, parents)
         slots.append(cache._fwd.dev["page_indptr"].data_ptr())
+        if cache._fwd.kernel == "paged_decode":
+            chunks.append(cache._fwd.decode_split.num_splits)
         for layer, (q_host, q_dev) in enumerate(next(it)):
             o = cache.attention_with_fused_qkv(layer, q_dev)  # a device tensor, not read back yet
             ref, _ = rep.model.attention(layer, q_host)
@@ -111,6 +117,9 @@ def test_back_to_back_forwards_match_model(target, cfg):
         )
     rep.check_kv()
     cache.check_integrity()
+    assert len(chunks) >= 12
+    if target == "llvm":  # chunks of one key on the CPU: with splits=3 every decode step splits 3 ways
+        assert set(chunks) == {3 if splits else 1}
     # consecutive forwards use different device index buffers (the ring; see runtime/index_buffer.py)
     assert all(a != b for a, b in zip(slots, slots[1:])) or RING == 1
     for sid in cache.sequence_ids():
@@ -229,3 +238,41 @@ def test_decode_fast_path_arrays_follow_page_lists(rng):
             cache.end_forward()
         cache.check_integrity()
     assert sum(taken) > 100 and out_of_pages, f"fast path taken {sum(taken)} times, {out_of_pages} out of pages"
+
+
+@pytest.mark.parametrize("blocks,tile,sms", [(8, 64, 132), (8, 1, 0), (32, 64, 80), (2, 16, 8)])
+def test_split_plan_covers_keys_without_empty_chunks(blocks, tile, sms):
+    """plan_split (flash-decoding, chosen in begin_forward): the chunks cover the longest sequence,
+    none of them is empty for it, chunks are whole tiles, and automatic splitting stops where the
+    batch alone fills the device."""
+    from tvmkv.runtime.decode_split import BLOCKS_PER_SM, MIN_CHUNK_TILES, plan_split
+
+    for batch in (1, 2, 7, 32, 64, 256):
+        for max_keys in (1, 5, tile, 3 * tile + 1, 1000, 4096, 33000):
+            for forced in (None, 1, 2, 5, 64):
+                S, chunk = plan_split(
+                    batch, max_keys, blocks_per_seq=blocks, tile_keys=tile, num_sms=sms, max_splits=forced
+                )
+                what = f"batch {batch}, keys {max_keys}, forced {forced}: {S} x {chunk}"
+                if S == 1:
+                    continue
+                assert chunk % tile == 0 and S * chunk >= max_keys > (S - 1) * chunk, what
+                if forced is None:
+                    assert sms and batch * blocks * S <= BLOCKS_PER_SM * sms, what
+                    assert chunk >= MIN_CHUNK_TILES * tile, what
+                else:
+                    assert S <= forced, what
+    # long context, batch 1, a big GPU: split wide; a full batch: no split; off: never
+    assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132) == (16, 256)
+    assert plan_split(1, 1024, blocks_per_seq=8, tile_keys=64, num_sms=132) == (8, 128)
+    assert plan_split(8, 1024, blocks_per_seq=8, tile_keys=64, num_sms=132) == (2, 512)
+    assert plan_split(16, 1024, blocks_per_seq=8, tile_keys=64, num_sms=132).num_splits == 1
+    assert plan_split(256, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132).num_splits == 1
+    assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132, max_splits=1).num_splits == 1
+    assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=1, num_sms=0).num_splits == 1
+
+
+def test_decode_splits_option_is_validated():
+    for bad in (0, -2, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="decode_splits"):
+            PagedAttentionKVCache(1, 4, 2, 64, dtype="float32", decode_splits=bad)

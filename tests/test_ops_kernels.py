@@ -169,6 +169,34 @@ def test_merge_state(target, cfg, rng):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+def test_merge_splits(target, cfg, rng):
+    """The merge of a split decode's chunks against the fp64 reference, with empty chunks (garbage
+    o there must not leak in), rows whose every chunk is empty, and a dominating chunk."""
+    H_qo, _, D, _, dtype = cfg
+    S, n = 5, 7
+    o_part = rng.standard_normal((S, n, H_qo, D)).astype(np.float32)
+    lse_part = (rng.standard_normal((S, n, H_qo)) * 8).astype(np.float32)
+    lse_part[1:, 0] = -np.inf  # one live chunk
+    lse_part[:, 1] = -np.inf  # none
+    lse_part[::2, 2, 0] = -np.inf
+    lse_part[3, 3] = lse_part[:, 3].max(axis=0) + 80  # one chunk dominates
+    o_part[np.isneginf(lse_part)] = np.nan  # garbage on the empty chunks
+    o = to_dev(np.ones((n, H_qo, D), NP_DTYPE[dtype]), target)
+    lse = to_dev(np.zeros((n, H_qo), np.float32), target)
+    parts = (to_dev(o_part, target), to_dev(lse_part, target))
+    _kernels(target, cfg)["merge_splits"](*parts, o, lse)
+    o_ref, lse_ref = ref.merge_splits_ref(np.nan_to_num(o_part, nan=0.0), lse_part)
+    got_o, got_lse = o.numpy().astype(np.float64), lse.numpy()
+    assert not np.isnan(got_o).any() and not np.isnan(got_lse).any()
+    assert np.all(got_lse[1] == -np.inf) and np.all(got_o[1] == 0)
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(lse_ref))
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_allclose(got_lse[finite], lse_ref[finite], rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(got_o, o_ref, rtol=TOL[dtype], atol=TOL[dtype] * 4)
+    _assert_bits_equal(parts[0].numpy(), o_part)  # the chunks are read only
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_copy_page(target, cfg, rng):
     _, H_kv, D, P, dtype = cfg
     pages = _rand(rng, (5, 2, H_kv, P, D), dtype)

@@ -14,7 +14,8 @@ class CacheConfig:
     """Static configuration of a paged KV cache (see docs/layout.md).
 
     ``num_pages`` defaults to enough pages for ``max_total_seq_len`` tokens plus one partially
-    filled page per sequence of a full batch.
+    filled page per sequence of a full batch. ``decode_splits`` (``None``: automatic) caps how many
+    ways a decode step cuts its sequences (docs/layout.md, "Split decode").
     """
 
     num_layers: int
@@ -33,6 +34,7 @@ class CacheConfig:
     target_kind: str = "llvm"
     cuda_arch: str | None = None
     num_pages: int | None = None
+    decode_splits: int | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "max_batch_size", "max_total_seq_len", "prefill_chunk_size"):
@@ -58,6 +60,13 @@ class CacheConfig:
                     f"{self.max_total_seq_len} tokens (needs {need} pages of {self.page_size}); "
                     "raise num_pages or lower max_total_seq_len"
                 )
+
+        if self.decode_splits is not None and (
+            not isinstance(self.decode_splits, int) or isinstance(self.decode_splits, bool) or self.decode_splits < 1
+        ):
+            raise ValueError(
+                f"decode_splits={self.decode_splits!r} must be None (automatic), 1 (never split) or an int > 1"
+            )
 
     @property
     def kernel_spec(self) -> KernelSpec:

@@ -156,6 +156,45 @@ def paged_decode(
     return o, lse
 
 
+def paged_decode_split(
+    q,
+    q_pos,
+    pages,
+    page_indptr,
+    page_indices,
+    last_page_len,
+    kv_window,
+    sm_scale,
+    rope_scale,
+    rope_theta,
+    kv_chunk,
+    num_splits,
+    *,
+    sliding=False,
+    inline_rope=False,
+):
+    """Reference of ``paged_decode_split``: ``(o_part [S, B, H_qo, D], lse_part [S, B, H_qo])``, chunk
+    ``c`` attending to the visited keys ``[c * kv_chunk, (c + 1) * kv_chunk)`` (the valid slots in
+    slot order)."""
+    B, H_qo, D = q.shape
+    o = np.zeros((num_splits, B, H_qo, D))
+    lse = np.full((num_splits, B, H_qo), -np.inf)
+    qf = np.asarray(q, np.float64)
+    if inline_rope:
+        qf = rope(qf, q_pos, rope_scale, rope_theta)
+    for b in range(B):
+        k, v, kv_len = _sequence_kv(pages, page_indptr, page_indices, last_page_len, b)
+        valid, pos = _window(kv_window, b, kv_len, sliding)
+        if inline_rope:
+            k = rope(k, pos, rope_scale, rope_theta)
+        visited = np.nonzero(valid)[0]
+        for c in range(num_splits):
+            chunk = np.zeros(kv_len, bool)
+            chunk[visited[c * kv_chunk : (c + 1) * kv_chunk]] = True
+            o[c, b], lse[c, b] = _attend(qf[b], k, v, chunk, sm_scale)
+    return o, lse
+
+
 def ragged_prefill(
     q, k, v, q_indptr, q_pos, q_tree, sm_scale, rope_scale, rope_theta, *, mask="causal", inline_rope=False
 ):

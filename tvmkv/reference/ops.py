@@ -217,3 +217,23 @@ def import_pages_ref(pages, page_ids, foreign, layout, *, block_ids=None):
                 else:
                     res[layer, page, kv] = foreign[layer, block, kv]
     return res
+
+
+def merge_splits_ref(o_part, lse_part):
+    """Merged ``(o [n, H, D], lse [n, H])`` of ``num_splits`` partial states ``o_part`` [S, n, H, D],
+    ``lse_part`` [S, n, H] (base-2 LSE, fp64 math): chunks with ``lse = -inf`` are ignored; all of
+    them ``-inf`` gives ``o = 0, lse = -inf``."""
+    o_part = np.asarray(o_part, np.float64)
+    lse_part = np.asarray(lse_part, np.float64)
+    S, n, H, D = o_part.shape
+    o = np.zeros((n, H, D))
+    lse = np.full((n, H), -np.inf)
+    for i in range(n):
+        for h in range(H):
+            live = [c for c in range(S) if lse_part[c, i, h] != -np.inf]
+            if not live:
+                continue
+            lse[i, h] = np.logaddexp2.reduce(lse_part[live, i, h])
+            for c in live:
+                o[i, h] += o_part[c, i, h] * 2.0 ** (lse_part[c, i, h] - lse[i, h])
+    return o, lse

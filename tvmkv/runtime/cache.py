@@ -5,8 +5,9 @@ appear only where kernels are launched. Layout of every array: docs/layout.md.
 
 Forward protocol (plan/run): ``begin_forward`` validates the whole step, reserves pages and builds
 every index array once; ``attention_with_fused_qkv`` only launches kernels (split/rotate, append,
-attention) for one layer; ``end_forward`` commits (slides windows). Every public operation
-validates first and mutates after, so a failed call leaves the cache as it was.
+attention, and the merge of a split decode's chunks) for one layer; ``end_forward`` commits (slides
+windows). Every public operation validates first and mutates after, so a failed call leaves the
+cache as it was.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import numpy as np
 
 from ..config import CacheConfig
 from ..errors import ForwardStateError, IntegrityError, OutOfPagesError
+from ..tir.decode_plan import split_granule
 from . import tensors
+from .decode_split import NO_SPLIT, DecodeSplit, plan_split
 from .index_buffer import IndexBuffers, align
 from .swap import HostSwap
 
@@ -167,6 +170,9 @@ class _Forward:
     attn_end: tuple = ()  # lse (after o, before sm_scale); rope (after sm_scale)
     paged: bool = True
     kernels: tuple = ()  # (split_rope, append, attention) functions of the library
+    decode_split: DecodeSplit = NO_SPLIT  # paged_decode only: how the step cuts its sequences
+    merge: object = None  # merge_splits when decode_split splits, else None
+    parts: tuple = ()  # (o_part, lse_part) views the split decode writes and merge_splits reads
     qkv_shape: tuple = ()  # [total, H_qo + 2 H_kv, D] expected of qkv
     o_shape: tuple = ()  # [total, H_qo, D] expected of out
 
@@ -191,6 +197,7 @@ class _Steady:
     layout: dict
     pi_off: int  # offset of page_indices in the packed buffer
     nnz: int  # page_indices entries
+    max_keys: int  # the longest sequence's kv length after the step (plans the decode split)
     room: int  # steps before some sequence's last page is full (P - max(last_page_len))
     generation: int  # IndexBuffers.generation the cached forwards' views belong to
     forwards: dict  # device slot -> bound _Forward
@@ -273,6 +280,11 @@ class PagedAttentionKVCache(HostSwap):
     memory_fraction : float, optional
         Instead of ``num_pages``: size the pool to this fraction of the device's free memory
         (as vLLM's ``gpu_memory_utilization``), all layers together.
+    decode_splits : int, optional
+        Flash-decoding: a decode step may cut its sequences' keys into chunks that run in separate
+        thread blocks and are merged after (docs/layout.md, "Split decode"). ``None`` (default) splits
+        on cuda only as far as it fills the device (batches too small to occupy every SM); ``1`` never
+        splits; an int > 1 forces up to that many chunks on any target (chunks of at least one tile).
     build_dir : path, optional
         Where compiled kernels are cached (default ``build/``).
     """
@@ -296,6 +308,7 @@ class PagedAttentionKVCache(HostSwap):
         target="llvm",
         num_pages=None,
         memory_fraction=None,
+        decode_splits=None,
         build_dir=None,
     ):
         import tvm
@@ -338,6 +351,7 @@ class PagedAttentionKVCache(HostSwap):
             target_kind=kind,
             cuda_arch=arch,
             num_pages=num_pages,
+            decode_splits=decode_splits,
         )
         cfg = self.config
         self.device = device
@@ -352,6 +366,13 @@ class PagedAttentionKVCache(HostSwap):
         self._kernels = load_kernels(
             cfg.kernel_spec, rope_mode=cfg.rope_mode, sliding=cfg.support_sliding_window, arch=arch, build_dir=build_dir
         )
+        self._split_granule = split_granule(cfg.kernel_spec) if "paged_decode_split" in self._kernels else None
+        if self._split_granule is None and (cfg.decode_splits or 1) > 1:
+            raise ValueError(
+                f"decode_splits={cfg.decode_splits}: this configuration has no split decode kernel (head_dim "
+                f"{cfg.head_dim} {cfg.dtype} is outside the fast cuda decode layout); pass decode_splits=None or 1"
+            )
+        self._num_sms = device.multi_processor_count if kind == "cuda" else 0
         shape = (cfg.total_pages, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
         zeros = np.zeros(shape, tensors.numpy_dtype(cfg.dtype))
         self.pages = [tvm.runtime.tensor(zeros, self.device) for _ in range(cfg.num_layers)]
@@ -607,6 +628,7 @@ class PagedAttentionKVCache(HostSwap):
             kernel = "ragged_prefill_causal"
         else:
             kernel = "paged_prefill_causal"
+        max_keys = int((history + lens).max())
         self._fwd = self._bind(
             seq_ids,
             lengths,
@@ -615,9 +637,10 @@ class PagedAttentionKVCache(HostSwap):
             [seqs[i] for i in windowed.tolist()],
             dev=self._upload(plan),
             scratch=self._scratch(total),
+            decode_split=self._decode_split(B, max_keys) if kernel == "paged_decode" else NO_SPLIT,
         )
         if kernel == "paged_decode" and not windowed.size:
-            self._steady = self._make_steady(seqs, want, plan)
+            self._steady = self._make_steady(seqs, want, plan, max_keys)
 
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Append this layer's new K/V and compute attention for the tokens of the open forward.
@@ -956,6 +979,7 @@ class PagedAttentionKVCache(HostSwap):
             lse=empty((n, cfg.num_qo_heads), "float32", self.device),
         )
         self._scratch_views: dict = {}
+        self._part_bufs = None  # split decode's partial states (_split_parts)
 
     def _sync_mirrors(self, seqs, have, windowed) -> None:
         """Bring every ``seq.mirror`` in line with ``seq.pages`` (see :class:`_PageMirror`)."""
@@ -1053,7 +1077,7 @@ class PagedAttentionKVCache(HostSwap):
         dev["page_indices"] = ib.tail(slot, pi_off)  # longer than nnz: kernels index it via page_indptr
         return dev
 
-    def _make_steady(self, seqs, npages, plan) -> _Steady:
+    def _make_steady(self, seqs, npages, plan, max_keys: int) -> _Steady:
         """Remember a decode step's plan for :meth:`_decode_fast_path`."""
         slot, layout, pi_off, used = plan
         host = self._index.host
@@ -1077,6 +1101,7 @@ class PagedAttentionKVCache(HostSwap):
             layout=layout,
             pi_off=pi_off,
             nnz=used - pi_off,
+            max_keys=max_keys,
             room=self.config.page_size - int(arr("last_page_len").max()),
             generation=self._index.generation,
             forwards={slot: fwd},
@@ -1123,6 +1148,8 @@ class PagedAttentionKVCache(HostSwap):
             S.room -= 1
         for seq in seqs:
             seq.kv_len += 1
+        S.max_keys += 1
+        split = self._decode_split(len(seqs), S.max_keys)
         used = S.pi_off + S.nnz
         slot = ib.next_slot(used)
         ib.upload(slot, used)
@@ -1130,10 +1157,12 @@ class PagedAttentionKVCache(HostSwap):
             S.forwards.clear()
             S.generation = ib.generation
         fwd = S.forwards.get(slot)
-        if fwd is None:
+        if fwd is None or fwd.decode_split != split:  # first use of the slot, or the split changed
             dev = self._device_views(slot, S.layout, S.pi_off)
             scratch = self._scratch(len(seqs))
-            fwd = self._bind(S.seq_ids, S.ones, len(seqs), "paged_decode", [], dev=dev, scratch=scratch)
+            fwd = self._bind(
+                S.seq_ids, S.ones, len(seqs), "paged_decode", [], dev=dev, scratch=scratch, decode_split=split
+            )
             S.forwards[slot] = fwd
         self._fwd = fwd
         S.version = self._version
@@ -1151,7 +1180,40 @@ class PagedAttentionKVCache(HostSwap):
             }
         return views
 
-    def _bind(self, seq_ids, lengths, total, kernel, slides, *, dev, scratch) -> _Forward:
+    def _decode_split(self, batch: int, max_keys: int) -> DecodeSplit:
+        """How a decode step of ``batch`` sequences, the longest of ``max_keys`` keys, is cut."""
+        if self._split_granule is None:
+            return NO_SPLIT
+        blocks, tile = self._split_granule
+        return plan_split(
+            batch,
+            max_keys,
+            blocks_per_seq=blocks,
+            tile_keys=tile,
+            num_sms=self._num_sms,
+            max_splits=self.config.decode_splits,
+        )
+
+    def _split_parts(self, split: DecodeSplit, batch: int) -> tuple:
+        """``(o_part [S, B, H_qo, D], lse_part [S, B, H_qo])`` float32 views of buffers allocated on
+        first use and grown when a split needs more rows (forwards bound before keep their views)."""
+        import tvm
+
+        cfg = self.config
+        rows = split.num_splits * batch
+        if self._part_bufs is None or self._part_bufs[1].shape[0] < rows:
+            rows_cap = max(rows, 2 * self._part_bufs[1].shape[0] if self._part_bufs else 0)
+            self._part_bufs = (
+                tvm.runtime.empty((rows_cap, cfg.num_qo_heads, cfg.head_dim), "float32", self.device),
+                tvm.runtime.empty((rows_cap, cfg.num_qo_heads), "float32", self.device),
+            )
+        o_buf, lse_buf = self._part_bufs
+        return (
+            o_buf._create_view((split.num_splits, batch, cfg.num_qo_heads, cfg.head_dim)),
+            lse_buf._create_view((split.num_splits, batch, cfg.num_qo_heads)),
+        )
+
+    def _bind(self, seq_ids, lengths, total, kernel, slides, *, dev, scratch, decode_split=NO_SPLIT) -> _Forward:
         """The :class:`_Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
         cfg, d, s = self.config, dev, scratch
         rope = (cfg.rope_scale, cfg.rope_theta)
@@ -1173,6 +1235,11 @@ class PagedAttentionKVCache(HostSwap):
         if kernel == "paged_decode":
             fwd.attn_head = (s["q"], d["q_pos"])
             fwd.attn_tail = (d["page_indptr"], d["page_indices"], d["last_page_len"], d["kv_window"])
+            if decode_split.num_splits > 1:
+                fwd.decode_split = decode_split
+                fwd.kernels = (*fwd.kernels[:2], self._kernels["paged_decode_split"])
+                fwd.merge = self._kernels["merge_splits"]
+                fwd.parts = self._split_parts(decode_split, total)
         elif kernel == "ragged_prefill_causal":
             fwd.paged = False
             fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])
@@ -1237,7 +1304,21 @@ class PagedAttentionKVCache(HostSwap):
         split_rope(qkv, *fwd.split)
         append(pages, *fwd.append)
         lse, rope_scale, rope_theta = fwd.attn_end
-        if fwd.paged:
+        if fwd.merge is not None:  # split decode: a partial state per chunk, then their merge
+            o_part, lse_part = fwd.parts
+            attention(
+                *fwd.attn_head,
+                pages,
+                *fwd.attn_tail,
+                o_part,
+                lse_part,
+                sm_scale,
+                rope_scale,
+                rope_theta,
+                fwd.decode_split.kv_chunk,
+            )
+            fwd.merge(o_part, lse_part, o, lse)
+        elif fwd.paged:
             attention(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
         else:
             attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)

@@ -23,7 +23,7 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
     if rope_mode not in ROPE_MODES:
         raise ValueError(f"rope_mode={rope_mode!r} is not one of {ROPE_MODES}")
     inline = rope_mode == "inline"
-    return {
+    kernels = {
         "append": append.make_append(spec),
         "split_rope": rope.make_split_rope(spec, rotate=rope_mode == "normal"),
         "paged_prefill_none": prefill.make_paged_prefill(spec, mask="none", sliding=sliding, inline_rope=inline),
@@ -32,13 +32,18 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
         "paged_decode": decode.make_paged_decode(spec, sliding=sliding, inline_rope=inline),
         "ragged_prefill_causal": ragged.make_ragged_prefill(spec, mask="causal", inline_rope=inline),
         "ragged_prefill_tree": ragged.make_ragged_prefill(spec, mask="tree", inline_rope=inline),
+        "paged_decode_split": decode.make_paged_decode_split(spec, sliding=sliding, inline_rope=inline),
         "merge_state": merge.make_merge_state(spec),
+        "merge_splits": merge.make_merge_splits(spec),
         "copy_page": page_ops.make_copy_page(spec),
         "compact_copy": page_ops.make_compact_copy(spec),
         "gather": page_ops.make_gather(spec),
         "gather_pages": page_ops.make_gather_pages(spec),
         "scatter_pages": page_ops.make_scatter_pages(spec),
     }
+    if kernels["paged_decode_split"] is None:  # cuda shapes without the fast decode layout: no split
+        del kernels["paged_decode_split"]
+    return kernels
 
 
 __all__ = ["KernelSpec", "kernel_set", "ROPE_MODES"]

@@ -21,6 +21,11 @@ Design (one query token per sequence, so the kernel is a pure stream over the se
   lane's ``E`` columns of ``O``) in registers; scores are reduced over the ``TPK`` lanes of a key
   with xor shuffles. At the end the sub-warps of a warp merge through shuffles, then the warps
   merge through shared memory, and the block writes ``o`` and the base-2 ``lse``.
+* ``split`` (``paged_decode_split``, flash-decoding): the grid gains a chunk axis (fastest, so a
+  sequence's chunks run side by side); block ``ch`` scans visited keys ``[ch * kv_chunk, (ch + 1) *
+  kv_chunk)`` with the same tiles, and writes its normalized float32 partial ``o`` and ``lse`` for
+  ``merge_splits`` (docs/layout.md, "Split decode"). The runtime chooses the split per step
+  (:mod:`tvmkv.runtime.decode_split`).
 * ``sliding``: only valid slots are visited (the sink ``[0, sink_end)`` then ``[window_start,
   kv_len)``), so a window costs only its size. ``inline_rope``: q is rotated once at load; a key's
   rotate-half partner element lives in lane ``lt ^ TPK/2`` of the same sub-warp (one shuffle).
@@ -36,52 +41,13 @@ import math
 from tvm.script import tirx as T
 
 from ._attn_common import _macro
+from .decode_plan import DEFAULT_WARPS, LOAD_BYTES, REG_FLOATS, WARP, decode_layout, elem_bytes
 from .spec import KernelSpec
 
 LOG2E = math.log2(math.e)
-WARP = 32
-DEFAULT_WARPS = 8
 DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
 STAGE_BYTES = 96 * 1024  # cap on the staging ring per block
 CP16 = "cp.async.cg.shared.global"
-SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
-REG_FLOATS = 32  # per-lane q (and O) floats: GQ * E <= REG_FLOATS
-LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * elem_bytes ~ LOAD_BYTES
-
-
-def _elem_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
-
-
-def decode_layout(
-    spec: KernelSpec,
-    num_warps: int = DEFAULT_WARPS,
-    unroll: int | None = None,
-    max_tpk: int = WARP,
-    reg_floats: int = REG_FLOATS,
-    load_bytes: int = LOAD_BYTES,
-):
-    """Static thread layout of the fast path, or ``None`` where it does not apply.
-
-    Returns a dict: VEC (elements per 16-byte load), TPK (lanes per key), E (elements per lane),
-    KPW (keys per warp), U (keys per lane group per tile), GQ (query heads per block), NW (warps).
-    """
-    D, group = spec.head_dim, spec.group
-    eb = _elem_bytes(spec.dtype)
-    vec = 16 // eb
-    if D % vec:
-        return None
-    chunks = D // vec
-    tpk = 1
-    while tpk < min(WARP, max_tpk) and chunks % (tpk * 2) == 0:
-        tpk *= 2
-    E = D // tpk
-    if tpk < 2 or E > reg_floats:
-        return None
-    U = unroll if unroll is not None else max(1, min(8, load_bytes // (E * eb)))
-    cap = max(1, min(reg_floats // E, SMEM_FLOATS // (num_warps * D)))
-    GQ = max(x for x in range(1, min(group, cap) + 1) if group % x == 0)
-    return {"VEC": vec, "TPK": tpk, "E": E, "KPW": WARP // tpk, "U": U, "GQ": GQ, "NW": num_warps}
 
 
 def make_paged_decode_cuda(
@@ -96,8 +62,11 @@ def make_paged_decode_cuda(
     reg_floats: int = REG_FLOATS,
     load_bytes: int = LOAD_BYTES,
     stages: int = DEFAULT_STAGES,
+    split: bool = False,
 ):
-    """The CUDA ``paged_decode`` PrimFunc (same signature as ``decode.make_paged_decode``).
+    """The CUDA ``paged_decode`` PrimFunc (same signature as ``decode.make_paged_decode``), or with
+    ``split`` the ``paged_decode_split`` one (``decode.make_paged_decode_split``; ``None`` for shapes
+    without the fast layout).
 
     ``num_warps`` (warps per block) and ``unroll`` (keys per lane group per tile) are tuning knobs;
     the defaults are what the runtime uses. ``double_buffer`` (experimental) issues tile t+1's
@@ -105,6 +74,8 @@ def make_paged_decode_cuda(
     """
     lay = decode_layout(spec, num_warps, unroll, max_tpk, reg_floats, load_bytes)
     if lay is None:
+        if split:
+            return None
         from ._attn_common import build_attention
 
         return build_attention(spec, source="decode", mask="none", sliding=sliding, inline_rope=inline_rope)
@@ -115,6 +86,7 @@ def make_paged_decode_cuda(
     NGB = group // GQ  # blocks per kv head
     NT = NW * WARP
     KB = NW * KPW * U  # keys per block per tile
+    split = bool(split)
     HALF = D // 2
     HT = TPK // 2  # xor distance of the rotate-half partner lane
     LOGP = P.bit_length() - 1
@@ -130,18 +102,23 @@ def make_paged_decode_cuda(
         NS = 1
     CPA = NS >= 2
     STG_SHAPE = (NS, U, 2, NC, NT, VEC) if CPA else (1, 1, 1, 1, 1, VEC)
-    STG_WORDS = math.prod(STG_SHAPE) * _elem_bytes(dtype) // 4
+    STG_WORDS = math.prod(STG_SHAPE) * elem_bytes(dtype) // 4
     neg_inf = float("-inf")
     shfl_xor = getattr(T.cuda, "__shfl_xor_sync")
     FULL = 0xFFFFFFFF
 
-    def x_of(t, u, w, sub):
-        # visited-key index of key u of lane group (w, sub) in tile t
-        return t * KB + w * (KPW * U) + u * KPW + sub
+    def x_base(seq):
+        # first visited key this block scans
+        return seq[6] if split else 0
 
-    def xc(t, u, w, sub, n):
+    def x_of(t, u, w, sub, seq):
+        # visited-key index of key u of lane group (w, sub) in tile t (tiles start at the chunk's
+        # first key seq[6] when split)
+        return x_base(seq) + t * KB + w * (KPW * U) + u * KPW + sub
+
+    def xc(t, u, w, sub, seq):
         # the same, clamped to the last visited key (loads past the end re-read it; masked later)
-        return T.min(x_of(t, u, w, sub), n - 1)
+        return T.min(x_of(t, u, w, sub, seq), seq[1] - 1)
 
     def key_slot(x, n1, start2):
         # x-th visited key -> slot index j within the sequence
@@ -151,7 +128,7 @@ def make_paged_decode_cuda(
 
     def slot_of(t, u, w, sub, seq):
         # slot index j (within the sequence) of that key, clamped
-        return key_slot(xc(t, u, w, sub, seq[1]), seq[2], seq[3])
+        return key_slot(xc(t, u, w, sub, seq), seq[2], seq[3])
 
     def key_pos(j, sink, offset):
         if sliding:
@@ -228,7 +205,7 @@ def make_paged_decode_cuda(
                     else:
                         acc[0] = acc[0] + Qr[g, e] * T.Cast("float32", kb[buf, u, e])
                 acc[0] = T.cuda.warp_reduce(acc[0], "sum", TPK)  # every lane: no divergence
-                S[g, u] = T.if_then_else(x_of(t, u, w, sub) < seq[1], acc[0], T.float32(neg_inf))
+                S[g, u] = T.if_then_else(x_of(t, u, w, sub, seq) < seq[1], acc[0], T.float32(neg_inf))
         # online softmax (base 2) and O += P V
         for g in T.unroll(GQ):
             st[0] = m[g]
@@ -246,40 +223,28 @@ def make_paged_decode_cuda(
                     O[g, e] = O[g, e] + st[3] * T.Cast("float32", vb[buf, u, e])
             m[g] = st[0]
 
-    @T.prim_func
-    def paged_decode(
-        var_q: T.handle,
-        var_q_pos: T.handle,
-        var_pages: T.handle,
-        var_page_indptr: T.handle,
-        var_page_indices: T.handle,
-        var_last_page_len: T.handle,
-        var_kv_window: T.handle,
-        var_o: T.handle,
-        var_lse: T.handle,
-        sm_scale: T.float32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-    ):
-        T.func_attr({"tir.noalias": True})
-        B = T.int32()
-        num_pages = T.int32()
-        nnz = T.int32()
-        q = T.match_buffer(var_q, (B, H_qo, D), dtype)
-        q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
-        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
-        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
-        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
-        o = T.match_buffer(var_o, (B, H_qo, D), dtype)
-        lse = T.match_buffer(var_lse, (B, H_qo), "float32")
+    @_macro
+    def store(b, h, d, value, lse_value):
+        # o / lse of (sequence b, query head h, element d) of this block (split: of its chunk ch)
+        if split:
+            o_part[ch, b, h, d] = value
+            if d == 0:
+                lse_part[ch, b, h] = lse_value
+        else:
+            o[b, h, d] = T.Cast(dtype, value)
+            if d == 0:
+                lse[b, h] = lse_value
 
-        bx = T.launch_thread("blockIdx.x", B * H_kv * NGB)
+    @_macro
+    def body(num_blocks):
+        # block bx = (sequence b, kv head hk, query-head slice, chunk ch): ch fastest, so the chunks of
+        # one sequence run side by side
+        bx = T.launch_thread("blockIdx.x", num_blocks)
         tx = T.launch_thread("threadIdx.x", NT)
-        b = T.meta_var(bx // (H_kv * NGB))
-        hk = T.meta_var(bx // NGB % H_kv)
-        h0 = T.meta_var(hk * group + bx % NGB * GQ)  # first query head of the block
+        ch = T.meta_var(bx % NSPLIT)
+        b = T.meta_var(bx // NSPLIT // (H_kv * NGB))
+        hk = T.meta_var(bx // NSPLIT // NGB % H_kv)
+        h0 = T.meta_var(hk * group + bx // NSPLIT % NGB * GQ)  # first query head of the block
         w = T.meta_var(tx // WARP)
         sub = T.meta_var(tx % WARP // TPK)
         lt = T.meta_var(tx % TPK)
@@ -291,8 +256,9 @@ def make_paged_decode_cuda(
         # same ``extern __shared__`` array, and viewed in the cache dtype
         stg_raw = T.alloc_buffer((STG_WORDS,), "float32", scope="shared.dyn")
         stg = T.decl_buffer(STG_SHAPE, dtype, data=stg_raw.data, scope="shared.dyn")
-        # seq: page base, visited keys, sink keys visited first, first window slot, sink_end, offset
-        seq = T.alloc_buffer((6,), "int32", scope="local")
+        # seq: page base, end of the visited keys to scan, sink keys visited first, first window slot,
+        # sink_end, offset, first visited key to scan (split: the chunk's)
+        seq = T.alloc_buffer((7,), "int32", scope="local")
         pid = T.alloc_buffer((NB, U), "int32", scope="local")  # page id of each key of the tile
         kb = T.alloc_buffer((NB, U, E), dtype, scope="local")
         vb = T.alloc_buffer((NB, U, E), dtype, scope="local")
@@ -322,6 +288,9 @@ def make_paged_decode_cuda(
             seq[3] = seq[1]
             seq[4] = 0
             seq[5] = 0
+        if split:  # this block's chunk of the visited keys: [seq[6], seq[1])
+            seq[6] = ch * kv_chunk
+            seq[1] = T.min(seq[1], seq[6] + kv_chunk)
 
         # ---- q (pre-scaled, rotated once) and the running state
         if rope:
@@ -350,25 +319,25 @@ def make_paged_decode_cuda(
 
         # ---- stream the keys: tile t, lane group (w, sub) takes keys t*KB + w*KPW*U + u*KPW + sub
         if CPA:
-            if seq[1] > 0:
+            if seq[1] > x_base(seq):
                 for u in T.unroll(U):
                     pid[0, u] = page_indices[seq[0] + (slot_of(0, u, w, sub, seq) >> LOGP)]
                 for p in T.unroll(NS - 1):
                     issue_tile(p, p)
-            for t in T.serial((seq[1] + KB - 1) // KB):
+            for t in T.serial(T.max(seq[1] - x_base(seq) + KB - 1, 0) // KB):
                 issue_tile(t + NS - 1, (t + NS - 1) % NS)
                 T.ptx["cp.async.wait_group"](NS - 1)
                 read_stage(t % NS)
                 compute_tile(0, t)
             T.ptx["cp.async.wait_group"](0)
         else:
-            if seq[1] > 0:
+            if seq[1] > x_base(seq):
                 for par in T.unroll(NB):
                     for u in T.unroll(U):
                         pid[par, u] = page_indices[seq[0] + (slot_of(par, u, w, sub, seq) >> LOGP)]
                 if double_buffer:
                     load_tile(0, 0)
-            for t2 in T.serial((seq[1] + KB * NB - 1) // (KB * NB)):
+            for t2 in T.serial(T.max(seq[1] - x_base(seq) + KB * NB - 1, 0) // (KB * NB)):
                 for par in T.unroll(NB):
                     if double_buffer:
                         load_tile(1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
@@ -410,12 +379,75 @@ def make_paged_decode_cuda(
                     acc[0] = acc[0] + Os[k, (r * NT + tx) // D, (r * NT + tx) % D] * st[3]
                 # no key seen: l == 0 -> o = 0, lse = -inf; a NaN l (NaN input) propagates
                 if st[2] == T.float32(0):
-                    o[b, h0 + (r * NT + tx) // D, (r * NT + tx) % D] = T.Cast(dtype, T.float32(0))
-                    if (r * NT + tx) % D == 0:
-                        lse[b, h0 + (r * NT + tx) // D] = T.float32(neg_inf)
+                    store(b, h0 + (r * NT + tx) // D, (r * NT + tx) % D, T.float32(0), T.float32(neg_inf))
                 else:
-                    o[b, h0 + (r * NT + tx) // D, (r * NT + tx) % D] = T.Cast(dtype, acc[0] / st[2])
-                    if (r * NT + tx) % D == 0:
-                        lse[b, h0 + (r * NT + tx) // D] = st[0] + T.log2(st[2])
+                    store(b, h0 + (r * NT + tx) // D, (r * NT + tx) % D, acc[0] / st[2], st[0] + T.log2(st[2]))
 
-    return paged_decode
+    if not split:
+
+        @T.prim_func
+        def paged_decode(
+            var_q: T.handle,
+            var_q_pos: T.handle,
+            var_pages: T.handle,
+            var_page_indptr: T.handle,
+            var_page_indices: T.handle,
+            var_last_page_len: T.handle,
+            var_kv_window: T.handle,
+            var_o: T.handle,
+            var_lse: T.handle,
+            sm_scale: T.float32,
+            rope_scale: T.float32,
+            rope_theta: T.float32,
+        ):
+            T.func_attr({"tir.noalias": True})
+            B = T.int32()
+            num_pages = T.int32()
+            nnz = T.int32()
+            q = T.match_buffer(var_q, (B, H_qo, D), dtype)
+            q_pos = T.match_buffer(var_q_pos, (B,), "int32")
+            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+            o = T.match_buffer(var_o, (B, H_qo, D), dtype)
+            lse = T.match_buffer(var_lse, (B, H_qo), "float32")
+            NSPLIT = T.meta_var(1)
+            body(B * H_kv * NGB)
+
+        return paged_decode
+
+    @T.prim_func
+    def paged_decode_split(
+        var_q: T.handle,
+        var_q_pos: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_indices: T.handle,
+        var_last_page_len: T.handle,
+        var_kv_window: T.handle,
+        var_o_part: T.handle,
+        var_lse_part: T.handle,
+        sm_scale: T.float32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        kv_chunk: T.int32,
+    ):
+        T.func_attr({"tir.noalias": True})
+        B = T.int32()
+        NSPLIT = T.int32()
+        num_pages = T.int32()
+        nnz = T.int32()
+        q = T.match_buffer(var_q, (B, H_qo, D), dtype)
+        q_pos = T.match_buffer(var_q_pos, (B,), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+        o_part = T.match_buffer(var_o_part, (NSPLIT, B, H_qo, D), "float32")
+        lse_part = T.match_buffer(var_lse_part, (NSPLIT, B, H_qo), "float32")
+        body(B * H_kv * NGB * NSPLIT)
+
+    return paged_decode_split

@@ -1,4 +1,5 @@
-"""Merge two partial attention states in place. See docs/layout.md ("Outputs and the log-sum-exp").
+"""Merge partial attention states: two in place (``merge_state``), or the chunks of a split decode
+(``merge_splits``). See docs/layout.md ("Outputs and the log-sum-exp").
 
 The log-sum-exp is base 2: ``lse = log2(2^lse_a + 2^lse_b)`` and
 ``o = o_a * 2^(lse_a - lse) + o_b * 2^(lse_b - lse)``. A side with ``lse = -inf`` contributes nothing
@@ -109,3 +110,101 @@ def make_merge_state(spec: KernelSpec):
                             lse_a[i, h] = st[2]
 
     return merge_state
+
+
+def make_merge_splits(spec: KernelSpec):
+    """``merge_splits(o_part, lse_part, o, lse)``: combine the ``num_splits`` partial states of a split
+    decode (``paged_decode_split``) into one, as repeated :func:`make_merge_state` would.
+
+    ``lse = log2(sum_c 2^lse_c)``, ``o = sum_c o_c * 2^(lse_c - lse)``; a chunk with ``lse_c = -inf``
+    contributes nothing (its ``o_c`` is not read); all ``-inf`` gives ``o = 0``, ``lse = -inf``.
+
+    Parameters
+    ----------
+    o_part : [num_splits, n, H_qo, D] float32
+    lse_part : [num_splits, n, H_qo] float32
+    o : [n, H_qo, D] spec.dtype, written
+    lse : [n, H_qo] float32, written
+    """
+    H, D, dtype = spec.num_qo_heads, spec.head_dim, spec.dtype
+    HY = heads_per_block(H, D)
+    HB = (H + HY - 1) // HY
+    NEG_INF = T.float32("-inf")
+
+    if spec.is_cpu:
+
+        @T.prim_func
+        def merge_splits(var_o_part: T.handle, var_lse_part: T.handle, var_o: T.handle, var_lse: T.handle):
+            T.func_attr({"tir.noalias": True})
+            S = T.int32()
+            n = T.int32()
+            o_part = T.match_buffer(var_o_part, (S, n, H, D), "float32")
+            lse_part = T.match_buffer(var_lse_part, (S, n, H), "float32")
+            o = T.match_buffer(var_o, (n, H, D), dtype)
+            lse = T.match_buffer(var_lse, (n, H), "float32")
+            for ih in T.parallel(n * H):
+                st = T.alloc_buffer((3,), "float32", scope="local")  # max lse, sum of weights, weight
+                acc = T.alloc_buffer((D,), "float32", scope="local")
+                i = T.meta_var(ih // H)
+                h = T.meta_var(ih % H)
+                st[0] = NEG_INF
+                for c in T.serial(S):
+                    st[0] = T.max(st[0], lse_part[c, i, h])
+                st[1] = T.float32(0)
+                for d in T.serial(D):
+                    acc[d] = T.float32(0)
+                if st[0] != NEG_INF:
+                    for c in T.serial(S):
+                        if lse_part[c, i, h] != NEG_INF:
+                            st[2] = T.exp2(lse_part[c, i, h] - st[0])
+                            st[1] = st[1] + st[2]
+                            for d in T.serial(D):
+                                acc[d] = acc[d] + o_part[c, i, h, d] * st[2]
+                if st[1] == T.float32(0):  # every chunk empty (a NaN sum propagates)
+                    for d in T.serial(D):
+                        o[i, h, d] = T.cast(T.float32(0), dtype)
+                    lse[i, h] = NEG_INF
+                else:
+                    for d in T.serial(D):
+                        o[i, h, d] = T.cast(acc[d] / st[1], dtype)
+                    lse[i, h] = st[0] + T.log2(st[1])
+
+        return merge_splits
+
+    @T.prim_func
+    def merge_splits(var_o_part: T.handle, var_lse_part: T.handle, var_o: T.handle, var_lse: T.handle):
+        T.func_attr({"tir.noalias": True})
+        S = T.int32()
+        n = T.int32()
+        o_part = T.match_buffer(var_o_part, (S, n, H, D), "float32")
+        lse_part = T.match_buffer(var_lse_part, (S, n, H), "float32")
+        o = T.match_buffer(var_o, (n, H, D), dtype)
+        lse = T.match_buffer(var_lse, (n, H), "float32")
+        for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
+            for hb in T.thread_binding(HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        st = T.alloc_buffer((4,), "float32", scope="local")  # max lse, sum of weights, weight, o
+                        h = T.meta_var(hb * HY + hy)
+                        if i < n and h < H:
+                            st[0] = NEG_INF
+                            for c in T.serial(S):
+                                st[0] = T.max(st[0], lse_part[c, i, h])
+                            st[1] = T.float32(0)
+                            st[3] = T.float32(0)
+                            if st[0] != NEG_INF:
+                                for c in T.serial(S):
+                                    if lse_part[c, i, h] != NEG_INF:
+                                        st[2] = T.exp2(lse_part[c, i, h] - st[0])
+                                        st[1] = st[1] + st[2]
+                                        st[3] = st[3] + o_part[c, i, h, d] * st[2]
+                            if st[1] == T.float32(0):  # every chunk empty (a NaN sum propagates)
+                                o[i, h, d] = T.cast(T.float32(0), dtype)
+                                if d == 0:
+                                    lse[i, h] = NEG_INF
+                            else:
+                                o[i, h, d] = T.cast(st[3] / st[1], dtype)
+                                if d == 0:
+                                    lse[i, h] = st[0] + T.log2(st[1])
+
+    return merge_splits
