@@ -29,6 +29,7 @@ for rope in normal inline none; do
   step "replay_$rope" python3 -m tvmkv replay --target cuda --rope-mode "$rope"
 done
 step replay_fp16 python3 -m tvmkv replay --target cuda --dtype float16 --rope-mode normal
+step replay_split python3 -m tvmkv replay --target cuda --rope-mode inline --decode-splits 4
 soak='import sys, runpy, tvm_cuda_runtime; sys.argv[0] = "bench/soak.py"; runpy.run_path(sys.argv[0], run_name="__main__")'
 step soak python3 -c "$soak" --target cuda --ops "${SOAK_OPS:-3000}" --json "$out/soak.json"
 runner='import sys, tvm_cuda_runtime; from tvmkv.generate import main; sys.exit(main(sys.argv[1:]))'

@@ -292,8 +292,10 @@ def replay(
     num_layers=2,
     on_row=None,
     seed=0,
+    decode_splits=None,
 ) -> list:
-    """Replay scenario ``name`` on a fresh cache; raises AssertionError on any mismatch."""
+    """Replay scenario ``name`` on a fresh cache; raises AssertionError on any mismatch.
+    ``decode_splits`` is the cache's option (an int > 1 forces flash-decoding on every decode step)."""
     from . import PagedAttentionKVCache
 
     cache = PagedAttentionKVCache(
@@ -309,6 +311,7 @@ def replay(
         rope_mode=rope_mode,
         support_sliding_window=name in NEEDS_SLIDING,
         target=target,
+        decode_splits=decode_splits,
     )
     r = Replayer(cache, seed=seed)
     rows = r.run(SCENARIOS[name], on_row=on_row)
@@ -326,6 +329,12 @@ def main(argv=None) -> int:
     ap.add_argument("--num-kv-heads", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--rope-mode", default="normal", choices=["none", "normal", "inline"])
+    ap.add_argument(
+        "--decode-splits",
+        type=int,
+        default=None,
+        help="the cache's decode_splits: default automatic, 1 never split, N > 1 force up to N chunks",
+    )
     args = ap.parse_args(argv)
     names = args.scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -335,7 +344,8 @@ def main(argv=None) -> int:
     for name in names:
         print(
             f"\n== {name} ({args.target}, {args.dtype}, D={args.head_dim}, H_qo={args.num_qo_heads}, "
-            f"H_kv={args.num_kv_heads}, page={args.page_size}, rope={args.rope_mode})"
+            f"H_kv={args.num_kv_heads}, page={args.page_size}, rope={args.rope_mode}, "
+            f"decode_splits={args.decode_splits or 'auto'})"
         )
         header = ("step", "operation", "batch", "tokens", "used", "free", "max err")
         print("{:>4}  {:<48} {:>5} {:>6} {:>5} {:>5} {:>9}".format(*header))
@@ -359,6 +369,7 @@ def main(argv=None) -> int:
                 page_size=args.page_size,
                 rope_mode=args.rope_mode,
                 on_row=show,
+                decode_splits=args.decode_splits,
             )
             print(f"-- {name}: OK ({time.time() - t0:.1f}s)")
         except AssertionError as err:
