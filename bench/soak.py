@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-pages", type=int, default=16, help="pages in the pool (few, so it runs out)")
     ap.add_argument("--rope-mode", default="normal", choices=["none", "normal", "inline"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument(
+        "--decode-splits", type=int, default=None, help="the cache's decode_splits (N > 1 forces flash-decoding)"
+    )
     ap.add_argument("--kv-every", type=int, default=50, help="compare stored K/V every N operations")
     ap.add_argument("--reset-every", type=int, default=2000, help="operations per episode (leak check after)")
     ap.add_argument("--misuse", type=float, default=0.15, help="probability of a deliberate misuse")
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
         max_batch_size=4,
         prefill_chunk_size=32,
         dtype=args.dtype,
+        decode_splits=args.decode_splits,
     )
     build_s = time.time() - t_build
     ops_run = rejected = leaked = episodes = 0
@@ -126,6 +130,7 @@ def main(argv=None) -> int:
         "page_size": args.page_size,
         "num_pages": args.num_pages,
         "rope_mode": args.rope_mode,
+        "decode_splits": args.decode_splits,
         "kv_every": args.kv_every,
         "reset_every": args.reset_every,
         "op_counts": dict(sorted(stats.items())),

@@ -689,6 +689,7 @@ def make_cache(
     prefill_chunk_size=32,
     dtype="float32",
     build_dir=None,
+    decode_splits=None,
 ):
     """A small cache with few pages, so that out-of-pages happens; ``max_total_seq_len`` fills the pool."""
     return tvmkv.PagedAttentionKVCache(
@@ -706,6 +707,7 @@ def make_cache(
         target=target,
         num_pages=num_pages,
         build_dir=build_dir,
+        decode_splits=decode_splits,
     )
 
 
