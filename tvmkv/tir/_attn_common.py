@@ -68,6 +68,86 @@ def _macro(func):
     return wrapper
 
 
+def decode_func(spec: KernelSpec, body, *, split: bool):
+    """The ``paged_decode`` PrimFunc of ``spec`` (with ``split``: ``paged_decode_split``) around
+    ``body``, a :func:`_macro` without arguments; one signature for every target and schedule.
+
+    The parameters are those of :func:`tvmkv.tir.decode.make_paged_decode` (``split``:
+    ``make_paged_decode_split``); ``body`` reads them by name: the sizes ``B`` and ``NSPLIT`` (1 without
+    split), the buffers ``q`` ... ``kv_window``, ``o`` / ``lse`` (``o_part`` / ``lse_part``), the scalars
+    ``sm_scale``, ``rope_scale``, ``rope_theta`` (and ``kv_chunk``).
+    """
+    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    if split:
+
+        @T.prim_func
+        def paged_decode_split(
+            var_q: T.handle,
+            var_q_pos: T.handle,
+            var_pages: T.handle,
+            var_page_indptr: T.handle,
+            var_page_indices: T.handle,
+            var_last_page_len: T.handle,
+            var_kv_window: T.handle,
+            var_o_part: T.handle,
+            var_lse_part: T.handle,
+            sm_scale: T.float32,
+            rope_scale: T.float32,
+            rope_theta: T.float32,
+            kv_chunk: T.int32,
+        ):
+            T.func_attr({"tir.noalias": True})
+            B = T.int32()
+            NSPLIT = T.int32()
+            num_pages = T.int32()
+            nnz = T.int32()
+            q = T.match_buffer(var_q, (B, H_qo, D), dtype)
+            q_pos = T.match_buffer(var_q_pos, (B,), "int32")
+            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+            o_part = T.match_buffer(var_o_part, (NSPLIT, B, H_qo, D), "float32")
+            lse_part = T.match_buffer(var_lse_part, (NSPLIT, B, H_qo), "float32")
+            body()
+
+        return paged_decode_split
+
+    @T.prim_func
+    def paged_decode(
+        var_q: T.handle,
+        var_q_pos: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_indices: T.handle,
+        var_last_page_len: T.handle,
+        var_kv_window: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr({"tir.noalias": True})
+        B = T.int32()
+        num_pages = T.int32()
+        nnz = T.int32()
+        q = T.match_buffer(var_q, (B, H_qo, D), dtype)
+        q_pos = T.match_buffer(var_q_pos, (B,), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+        o = T.match_buffer(var_o, (B, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (B, H_qo), "float32")
+        NSPLIT = T.meta_var(1)
+        body()
+
+    return paged_decode
+
+
 def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, inline_rope: bool):
     """Build one attention PrimFunc.
 
@@ -648,34 +728,8 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
 
     if source == "decode":
 
-        @T.prim_func
-        def paged_decode(
-            var_q: T.handle,
-            var_q_pos: T.handle,
-            var_pages: T.handle,
-            var_page_indptr: T.handle,
-            var_page_indices: T.handle,
-            var_last_page_len: T.handle,
-            var_kv_window: T.handle,
-            var_o: T.handle,
-            var_lse: T.handle,
-            sm_scale: T.float32,
-            rope_scale: T.float32,
-            rope_theta: T.float32,
-        ):
-            T.func_attr({"tir.noalias": True})
-            B = T.int32()
-            num_pages = T.int32()
-            nnz = T.int32()
-            q = T.match_buffer(var_q, (B, H_qo, D), dtype)
-            q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
-            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
-            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
-            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
-            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
-            o = T.match_buffer(var_o, (B, H_qo, D), dtype)
-            lse = T.match_buffer(var_lse, (B, H_qo), "float32")
+        @_macro
+        def decode_body():
             K_src = T.meta_var(pages)
             V_src = T.meta_var(pages)
             if cpu:
@@ -683,7 +737,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             else:
                 gpu_body(B)
 
-        return paged_decode
+        return decode_func(spec, decode_body, split=False)
 
     @T.prim_func
     def ragged_prefill(

@@ -1,3 +1,5 @@
+# ruff: noqa: F821
+# (the split kernel's body is a macro naming the buffers of the shared signature, which ruff cannot see)
 """Paged decode attention: one query token per sequence over its pages. See docs/layout.md
 ("Split decode" for ``paged_decode_split``)."""
 
@@ -7,7 +9,7 @@ import math
 
 from tvm.script import tirx as T
 
-from ._attn_common import build_attention
+from ._attn_common import _macro, build_attention, decode_func
 from .spec import KernelSpec
 
 LOG2E = math.log2(math.e)
@@ -72,7 +74,7 @@ def make_paged_decode_split(spec: KernelSpec, *, sliding: bool = False, inline_r
 
 
 def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
-    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H_kv, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     group = spec.group
     HALF = D // 2
     LOGP = P.bit_length() - 1
@@ -90,36 +92,8 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
         other = T.if_then_else(d < HALF, -at(T.min(d + HALF, D - 1)), at(T.max(d - HALF, 0)))
         return at(d) * T.cos(ang) + other * T.sin(ang)
 
-    @T.prim_func
-    def paged_decode_split(
-        var_q: T.handle,
-        var_q_pos: T.handle,
-        var_pages: T.handle,
-        var_page_indptr: T.handle,
-        var_page_indices: T.handle,
-        var_last_page_len: T.handle,
-        var_kv_window: T.handle,
-        var_o_part: T.handle,
-        var_lse_part: T.handle,
-        sm_scale: T.float32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        kv_chunk: T.int32,
-    ):
-        T.func_attr({"tir.noalias": True})
-        B = T.int32()
-        NSPLIT = T.int32()
-        num_pages = T.int32()
-        nnz = T.int32()
-        q = T.match_buffer(var_q, (B, H_qo, D), dtype)
-        q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
-        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
-        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
-        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
-        o_part = T.match_buffer(var_o_part, (NSPLIT, B, H_qo, D), "float32")
-        lse_part = T.match_buffer(var_lse_part, (NSPLIT, B, H_qo), "float32")
+    @_macro
+    def body():
         for it in T.parallel(NSPLIT * B * H_kv):
             # it = (chunk ch, sequence b, kv head hk); the work item keeps the group's query heads
             seq = T.alloc_buffer((7,), "int32", scope="local")  # kv_len, n1, start2, sink, offset, x0, x1
@@ -198,4 +172,4 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
                         o_part[ch, b, hk * group + g, d] = O[g, d] / l_sum[g]
                     lse_part[ch, b, hk * group + g] = m[g] + T.log2(l_sum[g])
 
-    return paged_decode_split
+    return decode_func(spec, body, split=True)

@@ -40,7 +40,7 @@ import math
 
 from tvm.script import tirx as T
 
-from ._attn_common import _macro
+from ._attn_common import _macro, decode_func
 from .decode_plan import DEFAULT_WARPS, LOAD_BYTES, REG_FLOATS, WARP, decode_layout, elem_bytes
 from .spec import KernelSpec
 
@@ -236,10 +236,10 @@ def make_paged_decode_cuda(
                 lse[b, h] = lse_value
 
     @_macro
-    def body(num_blocks):
+    def body():
         # block bx = (sequence b, kv head hk, query-head slice, chunk ch): ch fastest, so the chunks of
         # one sequence run side by side
-        bx = T.launch_thread("blockIdx.x", num_blocks)
+        bx = T.launch_thread("blockIdx.x", B * H_kv * NGB * NSPLIT)
         tx = T.launch_thread("threadIdx.x", NT)
         ch = T.meta_var(bx % NSPLIT)
         b = T.meta_var(bx // NSPLIT // (H_kv * NGB))
@@ -383,71 +383,4 @@ def make_paged_decode_cuda(
                 else:
                     store(b, h0 + (r * NT + tx) // D, (r * NT + tx) % D, acc[0] / st[2], st[0] + T.log2(st[2]))
 
-    if not split:
-
-        @T.prim_func
-        def paged_decode(
-            var_q: T.handle,
-            var_q_pos: T.handle,
-            var_pages: T.handle,
-            var_page_indptr: T.handle,
-            var_page_indices: T.handle,
-            var_last_page_len: T.handle,
-            var_kv_window: T.handle,
-            var_o: T.handle,
-            var_lse: T.handle,
-            sm_scale: T.float32,
-            rope_scale: T.float32,
-            rope_theta: T.float32,
-        ):
-            T.func_attr({"tir.noalias": True})
-            B = T.int32()
-            num_pages = T.int32()
-            nnz = T.int32()
-            q = T.match_buffer(var_q, (B, H_qo, D), dtype)
-            q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
-            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
-            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
-            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
-            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
-            o = T.match_buffer(var_o, (B, H_qo, D), dtype)
-            lse = T.match_buffer(var_lse, (B, H_qo), "float32")
-            NSPLIT = T.meta_var(1)
-            body(B * H_kv * NGB)
-
-        return paged_decode
-
-    @T.prim_func
-    def paged_decode_split(
-        var_q: T.handle,
-        var_q_pos: T.handle,
-        var_pages: T.handle,
-        var_page_indptr: T.handle,
-        var_page_indices: T.handle,
-        var_last_page_len: T.handle,
-        var_kv_window: T.handle,
-        var_o_part: T.handle,
-        var_lse_part: T.handle,
-        sm_scale: T.float32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        kv_chunk: T.int32,
-    ):
-        T.func_attr({"tir.noalias": True})
-        B = T.int32()
-        NSPLIT = T.int32()
-        num_pages = T.int32()
-        nnz = T.int32()
-        q = T.match_buffer(var_q, (B, H_qo, D), dtype)
-        q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
-        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
-        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
-        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
-        o_part = T.match_buffer(var_o_part, (NSPLIT, B, H_qo, D), "float32")
-        lse_part = T.match_buffer(var_lse_part, (NSPLIT, B, H_qo), "float32")
-        body(B * H_kv * NGB * NSPLIT)
-
-    return paged_decode_split
+    return decode_func(spec, body, split=split)
