@@ -68,6 +68,99 @@ def _macro(func):
     return wrapper
 
 
+def paged_prefill_func(spec: KernelSpec, body):
+    """The ``paged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a :func:`_macro` without
+    arguments; one signature for every mask, target and schedule. The parameters are those of
+    :func:`tvmkv.tir.prefill.make_paged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``)."""
+    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+
+    @T.prim_func
+    def paged_prefill(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_q_pos: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_indices: T.handle,
+        var_last_page_len: T.handle,
+        var_kv_window: T.handle,
+        var_q_tree: T.handle,
+        var_kv_tree_indptr: T.handle,
+        var_kv_tree: T.handle,
+        var_kv_tree_start: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr({"tir.noalias": True})
+        n = T.int32()
+        B = T.int32()
+        num_pages = T.int32()
+        nnz = T.int32()
+        nt = T.int32()
+        bt = T.int32()
+        m_tree = T.int32()
+        bs = T.int32()
+        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (B + 1,), "int32")
+        q_pos = T.match_buffer(var_q_pos, (n,), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+        q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
+        kv_tree_indptr = T.match_buffer(var_kv_tree_indptr, (bt,), "int32")
+        kv_tree = T.match_buffer(var_kv_tree, (m_tree, 3), "int32")
+        kv_tree_start = T.match_buffer(var_kv_tree_start, (bs,), "int32")
+        o = T.match_buffer(var_o, (n, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (n, H_qo), "float32")
+        body()
+
+    return paged_prefill
+
+
+def ragged_prefill_func(spec: KernelSpec, body):
+    """The ``ragged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a :func:`_macro` without
+    arguments; one signature for every mask, target and schedule. The parameters are those of
+    :func:`tvmkv.tir.ragged.make_ragged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``,
+    the number of sequences)."""
+    H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+
+    @T.prim_func
+    def ragged_prefill(
+        var_q: T.handle,
+        var_k: T.handle,
+        var_v: T.handle,
+        var_q_indptr: T.handle,
+        var_q_pos: T.handle,
+        var_q_tree: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr({"tir.noalias": True})
+        n = T.int32()
+        B1 = T.int32()
+        nt = T.int32()
+        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
+        k = T.match_buffer(var_k, (n, H_kv, D), dtype)
+        v = T.match_buffer(var_v, (n, H_kv, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (B1,), "int32")
+        q_pos = T.match_buffer(var_q_pos, (n,), "int32")
+        q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
+        o = T.match_buffer(var_o, (n, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (n, H_qo), "float32")
+        B = T.meta_var(B1 - 1)
+        body()
+
+    return ragged_prefill
+
+
 def decode_func(spec: KernelSpec, body, *, split: bool):
     """The ``paged_decode`` PrimFunc of ``spec`` (with ``split``: ``paged_decode_split``) around
     ``body``, a :func:`_macro` without arguments; one signature for every target and schedule.
@@ -674,49 +767,8 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
     # ---------------------------------------------------------------- signatures
     if source == "paged":
 
-        @T.prim_func
-        def paged_prefill(
-            var_q: T.handle,
-            var_q_indptr: T.handle,
-            var_q_pos: T.handle,
-            var_pages: T.handle,
-            var_page_indptr: T.handle,
-            var_page_indices: T.handle,
-            var_last_page_len: T.handle,
-            var_kv_window: T.handle,
-            var_q_tree: T.handle,
-            var_kv_tree_indptr: T.handle,
-            var_kv_tree: T.handle,
-            var_kv_tree_start: T.handle,
-            var_o: T.handle,
-            var_lse: T.handle,
-            sm_scale: T.float32,
-            rope_scale: T.float32,
-            rope_theta: T.float32,
-        ):
-            T.func_attr({"tir.noalias": True})
-            n = T.int32()
-            B = T.int32()
-            num_pages = T.int32()
-            nnz = T.int32()
-            nt = T.int32()
-            bt = T.int32()
-            m_tree = T.int32()
-            bs = T.int32()
-            q = T.match_buffer(var_q, (n, H_qo, D), dtype)
-            q_indptr = T.match_buffer(var_q_indptr, (B + 1,), "int32")
-            q_pos = T.match_buffer(var_q_pos, (n,), "int32")
-            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
-            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
-            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
-            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
-            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
-            q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
-            kv_tree_indptr = T.match_buffer(var_kv_tree_indptr, (bt,), "int32")
-            kv_tree = T.match_buffer(var_kv_tree, (m_tree, 3), "int32")
-            kv_tree_start = T.match_buffer(var_kv_tree_start, (bs,), "int32")
-            o = T.match_buffer(var_o, (n, H_qo, D), dtype)
-            lse = T.match_buffer(var_lse, (n, H_qo), "float32")
+        @_macro
+        def paged_body():
             K_src = T.meta_var(pages)
             V_src = T.meta_var(pages)
             if cpu:
@@ -724,7 +776,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             else:
                 gpu_body(n)
 
-        return paged_prefill
+        return paged_prefill_func(spec, paged_body)
 
     if source == "decode":
 
@@ -739,33 +791,8 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
 
         return decode_func(spec, decode_body, split=False)
 
-    @T.prim_func
-    def ragged_prefill(
-        var_q: T.handle,
-        var_k: T.handle,
-        var_v: T.handle,
-        var_q_indptr: T.handle,
-        var_q_pos: T.handle,
-        var_q_tree: T.handle,
-        var_o: T.handle,
-        var_lse: T.handle,
-        sm_scale: T.float32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-    ):
-        T.func_attr({"tir.noalias": True})
-        n = T.int32()
-        B1 = T.int32()
-        nt = T.int32()
-        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
-        k = T.match_buffer(var_k, (n, H_kv, D), dtype)
-        v = T.match_buffer(var_v, (n, H_kv, D), dtype)
-        q_indptr = T.match_buffer(var_q_indptr, (B1,), "int32")
-        q_pos = T.match_buffer(var_q_pos, (n,), "int32")
-        q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
-        o = T.match_buffer(var_o, (n, H_qo, D), dtype)
-        lse = T.match_buffer(var_lse, (n, H_qo), "float32")
-        B = T.meta_var(B1 - 1)
+    @_macro
+    def ragged_body():
         K_src = T.meta_var(k)
         V_src = T.meta_var(v)
         if cpu:
@@ -773,4 +800,4 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         else:
             gpu_body(n)
 
-    return ragged_prefill
+    return ragged_prefill_func(spec, ragged_body)

@@ -53,7 +53,7 @@ import math
 
 from tvm.script import tirx as T
 
-from ._attn_common import _macro
+from ._attn_common import _macro, paged_prefill_func, ragged_prefill_func
 from .spec import KernelSpec
 
 LOG2E = math.log2(math.e)
@@ -336,7 +336,7 @@ def make_prefill_cuda(
                     )
 
     @_macro
-    def fa_body(n, B):
+    def fa_body():
         bx = T.launch_thread("blockIdx.x", (n // RT + B) * H_kv)
         tx = T.launch_thread("threadIdx.x", NT)
         lane = T.meta_var(tx % WARP)
@@ -494,80 +494,5 @@ def make_prefill_cuda(
                         ] = T.if_then_else(lsum[h] == T.float32(0), T.float32(neg_inf), m[h] + T.log2(lsum[h]))
 
     if paged:
-
-        @T.prim_func
-        def paged_prefill(
-            var_q: T.handle,
-            var_q_indptr: T.handle,
-            var_q_pos: T.handle,
-            var_pages: T.handle,
-            var_page_indptr: T.handle,
-            var_page_indices: T.handle,
-            var_last_page_len: T.handle,
-            var_kv_window: T.handle,
-            var_q_tree: T.handle,
-            var_kv_tree_indptr: T.handle,
-            var_kv_tree: T.handle,
-            var_kv_tree_start: T.handle,
-            var_o: T.handle,
-            var_lse: T.handle,
-            sm_scale: T.float32,
-            rope_scale: T.float32,
-            rope_theta: T.float32,
-        ):
-            T.func_attr({"tir.noalias": True})
-            n = T.int32()
-            B = T.int32()
-            num_pages = T.int32()
-            nnz = T.int32()
-            nt = T.int32()
-            bt = T.int32()
-            m_tree = T.int32()
-            bs = T.int32()
-            q = T.match_buffer(var_q, (n, H_qo, D), dtype)
-            q_indptr = T.match_buffer(var_q_indptr, (B + 1,), "int32")
-            q_pos = T.match_buffer(var_q_pos, (n,), "int32")
-            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
-            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
-            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
-            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
-            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
-            q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
-            kv_tree_indptr = T.match_buffer(var_kv_tree_indptr, (bt,), "int32")
-            kv_tree = T.match_buffer(var_kv_tree, (m_tree, 3), "int32")
-            kv_tree_start = T.match_buffer(var_kv_tree_start, (bs,), "int32")
-            o = T.match_buffer(var_o, (n, H_qo, D), dtype)
-            lse = T.match_buffer(var_lse, (n, H_qo), "float32")
-            fa_body(n, B)
-
-        return paged_prefill
-
-    @T.prim_func
-    def ragged_prefill(
-        var_q: T.handle,
-        var_k: T.handle,
-        var_v: T.handle,
-        var_q_indptr: T.handle,
-        var_q_pos: T.handle,
-        var_q_tree: T.handle,
-        var_o: T.handle,
-        var_lse: T.handle,
-        sm_scale: T.float32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-    ):
-        T.func_attr({"tir.noalias": True})
-        n = T.int32()
-        B1 = T.int32()
-        nt = T.int32()
-        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
-        k = T.match_buffer(var_k, (n, H_kv, D), dtype)
-        v = T.match_buffer(var_v, (n, H_kv, D), dtype)
-        q_indptr = T.match_buffer(var_q_indptr, (B1,), "int32")
-        q_pos = T.match_buffer(var_q_pos, (n,), "int32")
-        q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
-        o = T.match_buffer(var_o, (n, H_qo, D), dtype)
-        lse = T.match_buffer(var_lse, (n, H_qo), "float32")
-        fa_body(n, B1 - 1)
-
-    return ragged_prefill
+        return paged_prefill_func(spec, fa_body)
+    return ragged_prefill_func(spec, fa_body)
