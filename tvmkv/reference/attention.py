@@ -144,16 +144,26 @@ def paged_decode(
     B, H_qo, D = q.shape
     o = np.zeros((B, H_qo, D))
     lse = np.full((B, H_qo), -np.inf)
+    tables = (page_indptr, page_indices, last_page_len, kv_window)
+    rows = _decode_rows(q, q_pos, pages, tables, rope_scale, rope_theta, sliding, inline_rope)
+    for b, (q_row, k, v, valid) in enumerate(rows):
+        o[b], lse[b] = _attend(q_row, k, v, valid, sm_scale)
+    return o, lse
+
+
+def _decode_rows(q, q_pos, pages, tables, rope_scale, rope_theta, sliding, inline_rope):
+    """Per decode sequence ``(q row, K, V, valid slots)`` in fp64 (K rotated to its logical positions
+    with inline RoPE); ``tables`` = (page_indptr, page_indices, last_page_len, kv_window)."""
+    page_indptr, page_indices, last_page_len, kv_window = tables
     qf = np.asarray(q, np.float64)
     if inline_rope:
         qf = rope(qf, q_pos, rope_scale, rope_theta)
-    for b in range(B):
+    for b in range(q.shape[0]):
         k, v, kv_len = _sequence_kv(pages, page_indptr, page_indices, last_page_len, b)
         valid, pos = _window(kv_window, b, kv_len, sliding)
         if inline_rope:
             k = rope(k, pos, rope_scale, rope_theta)
-        o[b], lse[b] = _attend(qf[b], k, v, valid, sm_scale)
-    return o, lse
+        yield qf[b], k, v, valid
 
 
 def paged_decode_split(
@@ -179,19 +189,14 @@ def paged_decode_split(
     B, H_qo, D = q.shape
     o = np.zeros((num_splits, B, H_qo, D))
     lse = np.full((num_splits, B, H_qo), -np.inf)
-    qf = np.asarray(q, np.float64)
-    if inline_rope:
-        qf = rope(qf, q_pos, rope_scale, rope_theta)
-    for b in range(B):
-        k, v, kv_len = _sequence_kv(pages, page_indptr, page_indices, last_page_len, b)
-        valid, pos = _window(kv_window, b, kv_len, sliding)
-        if inline_rope:
-            k = rope(k, pos, rope_scale, rope_theta)
+    tables = (page_indptr, page_indices, last_page_len, kv_window)
+    rows = _decode_rows(q, q_pos, pages, tables, rope_scale, rope_theta, sliding, inline_rope)
+    for b, (q_row, k, v, valid) in enumerate(rows):
         visited = np.nonzero(valid)[0]
         for c in range(num_splits):
-            chunk = np.zeros(kv_len, bool)
+            chunk = np.zeros(len(valid), bool)
             chunk[visited[c * kv_chunk : (c + 1) * kv_chunk]] = True
-            o[c, b], lse[c, b] = _attend(qf[b], k, v, chunk, sm_scale)
+            o[c, b], lse[c, b] = _attend(q_row, k, v, chunk, sm_scale)
     return o, lse
 
 
