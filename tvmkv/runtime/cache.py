@@ -589,7 +589,8 @@ class PagedAttentionKVCache(HostSwap):
         history = np.fromiter(map(_KV_LEN, seqs), np.int64, B)
         lens = np.array(lengths, np.int64)
         have = -(-history // P)  # pages held now (== len(seq.pages), an invariant check_integrity checks)
-        want = -(-(history + lens) // P)
+        end = history + lens  # kv length of each sequence after the step
+        want = -(-end // P)
         windowed = np.flatnonzero(np.fromiter(map(_WINDOW, seqs), np.int64, B))
         self._sync_mirrors(seqs, have, windowed)
         partial = np.flatnonzero(history % P)
@@ -614,7 +615,7 @@ class PagedAttentionKVCache(HostSwap):
                 seq.pages.extend(new)
                 seq.mirror.extend(new)
         plan = self._plan_arrays(seqs, lens, history, want, windowed, parents)
-        for seq, n in zip(seqs, (history + lens).tolist()):
+        for seq, n in zip(seqs, end.tolist()):
             seq.kv_len = n
         if tree:
             for seq, (p, d) in zip(seqs, parents):
@@ -628,7 +629,7 @@ class PagedAttentionKVCache(HostSwap):
             kernel = "ragged_prefill_causal"
         else:
             kernel = "paged_prefill_causal"
-        max_keys = int((history + lens).max())
+        max_keys = int(end.max())
         self._fwd = self._bind(
             seq_ids,
             lengths,
