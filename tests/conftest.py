@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-# On the GPU machine the runtime-only TVM needs its CUDA backend loaded before anything touches CUDA.
-_payload = os.environ.get("TVMKV_PAYLOAD")
-if _payload:
-    sys.path.insert(0, _payload)
-    import tvm_cuda_runtime  # noqa: F401
+from tvmkv.payload import bootstrap
+
+bootstrap()  # $TVMKV_PAYLOAD (GPU machine): the runtime-only TVM's CUDA backend, before tvm is imported
 
 import tvm  # noqa: E402
 

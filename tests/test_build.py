@@ -229,3 +229,25 @@ def test_cli_cuda_sm80_sm90_builds_fatbins(tmp_path):
     assert again.returncode == 0 and "cache hit" in again.stdout and "1 kernel set(s)" in again.stdout
     sm90_flags = json.loads((tmp_path / "cuda-sm_90" / "kvcache_q4_kv2_d64_p16_float16.json").read_text())
     assert "-gencode=arch=compute_90a,code=sm_90a" in sm90_flags["nvcc_flags"]
+
+
+def test_default_build_dir(tmp_path, monkeypatch):
+    """$TVMKV_BUILD_DIR wins; else a source checkout's build/; else the per-user cache (never site-packages)."""
+    checkout, site = tmp_path / "clone", tmp_path / "site-packages"
+    for root in (checkout, site):
+        (root / "tvmkv").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text('[project]\nname = "tvmkv"\n')
+    monkeypatch.delenv("TVMKV_BUILD_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build.default_build_dir(checkout / "tvmkv") == checkout / "build"
+    assert build.default_build_dir(site / "tvmkv") == tmp_path / "xdg" / "tvmkv"
+    (site / "pyproject.toml").write_text('[project]\nname = "another"\n')  # not tvmkv's checkout
+    assert build.default_build_dir(site / "tvmkv") == tmp_path / "xdg" / "tvmkv"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert build.default_build_dir(site / "tvmkv") == tmp_path / "home" / ".cache" / "tvmkv"
+    assert build.default_build_dir() == ROOT / "build"  # the tests run from a checkout
+    monkeypatch.setenv("TVMKV_BUILD_DIR", str(tmp_path / "mine"))
+    assert build.default_build_dir(checkout / "tvmkv") == tmp_path / "mine"
+    assert build.default_build_dir() == tmp_path / "mine"
+    assert "TVMKV_BUILD_DIR" in build._parser().format_help()

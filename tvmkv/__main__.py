@@ -12,13 +12,10 @@ def main(argv=None) -> int:
         print("usage: python -m tvmkv {build,replay,generate} [options]  (COMMAND --help: its options)")
         return 2
     import importlib
-    import os
 
-    payload = os.environ.get("TVMKV_PAYLOAD")  # GPU host with a runtime-only TVM (scripts/gpu_suite.sh)
-    if payload:
-        sys.path.insert(0, payload)
-        import tvm_cuda_runtime  # noqa: F401  (loads TVM's CUDA runtime before anything touches CUDA)
+    from .payload import bootstrap
 
+    bootstrap()  # $TVMKV_PAYLOAD: a GPU host with a runtime-only TVM (scripts/gpu_suite.sh)
     return importlib.import_module(commands[argv[0]]).main(argv[1:])
 
 

@@ -17,6 +17,11 @@ compiles it when the library is *loaded*, through ``tvm_callback_cuda_compile``)
 compiles that source with nvcc into a fatbin here and packs the fatbin, with TVM's own function table,
 into the library in place of the source. Loading such a library needs the CUDA runtime only.
 
+Where: ``build_dir`` when a caller passes one (``--build-dir``), else :func:`default_build_dir`
+(``$TVMKV_BUILD_DIR``; else ``build/`` of the source checkout tvmkv runs from; else the per-user
+cache ``$XDG_CACHE_HOME/tvmkv``, default ``~/.cache/tvmkv``, so an installed tvmkv never writes
+into site-packages).
+
 Command line (``python -m tvmkv build --help``)::
 
     python -m tvmkv build --target cuda --arch sm_90 --num-qo-heads 32 --num-kv-heads 8 --head-dim 128
@@ -40,11 +45,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .target import CUDA_ARCHS, default_cuda_arch, host_llvm_mcpu, make_target
 from .tir.spec import KernelSpec
 
-DEFAULT_BUILD_DIR = Path(os.environ.get("TVMKV_BUILD_DIR", Path(__file__).resolve().parent.parent / "build"))
-DEFAULT_CUDA_ARCH = "sm_90"
-CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+BUILD_DIR_ENV = "TVMKV_BUILD_DIR"
+BUILD_DIR_HELP = (
+    "kernel library folder (default: $TVMKV_BUILD_DIR, else build/ of the source checkout tvmkv runs from, "
+    "else $XDG_CACHE_HOME/tvmkv or ~/.cache/tvmkv)"
+)
 NVCC_DIAG_SUPPRESS = "177,550,1046"  # unused variable, set-but-unused, inexact float constant
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = 1
@@ -82,35 +90,39 @@ class BuildKey:
         return "_".join(parts)
 
 
-def host_llvm_mcpu() -> str:
-    """The ``-mcpu`` of CPU builds: ``$TVMKV_LLVM_MCPU``, else this machine's CPU as LLVM names it.
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/tvmkv``, else ``~/.cache/tvmkv``: tvmkv's per-user cache."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "tvmkv"
 
-    Without it LLVM targets generic x86-64 (SSE2, no FMA, no F16C: every fp16 load becomes a libcall),
-    which made the CPU decode kernel 7x (fp32) to 20x (fp16) slower on an AVX2 EPYC. Set
-    ``TVMKV_LLVM_MCPU=generic`` for libraries that must run on any x86-64.
-    """
-    env = os.environ.get("TVMKV_LLVM_MCPU")
-    if env:
-        return env
-    import tvm
 
+def _source_checkout(package_dir: Path) -> Path | None:
+    """The checkout holding ``package_dir`` (its parent, with tvmkv's pyproject.toml), else None."""
+    pyproject = package_dir.parent / "pyproject.toml"
     try:
-        return str(tvm.target.codegen.llvm_get_system_cpu())
-    except Exception:  # noqa: BLE001 - an LLVM without host detection: stay portable
-        return "generic"
+        text = pyproject.read_text()
+    except OSError:
+        return None
+    return package_dir.parent if 'name = "tvmkv"' in text else None
 
 
-def make_target(target_kind: str, arch: str | None = None):
-    """A ``tvm.target.Target`` for "llvm" (host CPU, see :func:`host_llvm_mcpu`) or "cuda" (``arch``
-    like "sm_90", default sm_90)."""
-    import tvm
+def default_build_dir(package_dir: Path | None = None) -> Path:
+    """Where kernel libraries are built and loaded when no ``build_dir`` is given.
 
-    if target_kind == "llvm":
-        mcpu = host_llvm_mcpu()
-        return tvm.target.Target({"kind": "llvm"} if mcpu == "generic" else {"kind": "llvm", "mcpu": mcpu})
-    if target_kind == "cuda":
-        return tvm.target.Target({"kind": "cuda", "arch": arch or DEFAULT_CUDA_ARCH})
-    raise ValueError(f"target kind {target_kind!r} is not supported; use 'llvm' or 'cuda'")
+    In order: ``$TVMKV_BUILD_DIR`` when set; ``<checkout>/build`` when tvmkv runs from a source
+    checkout (``package_dir``'s parent holds tvmkv's ``pyproject.toml``: a clone, or an editable
+    install); otherwise :func:`user_cache_dir` (a wheel install: never ``site-packages/build``).
+
+    Parameters
+    ----------
+    package_dir : Path, optional
+        The ``tvmkv`` package folder to judge (default: this module's folder; tests pass others).
+    """
+    env = os.environ.get(BUILD_DIR_ENV)
+    if env:
+        return Path(env)
+    checkout = _source_checkout(package_dir or Path(__file__).resolve().parent)
+    return checkout / "build" if checkout is not None else user_cache_dir()
 
 
 def sources_hash(family: str = "kvcache") -> str:
@@ -120,9 +132,12 @@ def sources_hash(family: str = "kvcache") -> str:
     (:data:`FAMILY_MODULES`); other families hash every module (they may use shared helpers).
     """
     h = hashlib.sha256()
-    tir_dir = Path(__file__).resolve().parent / "tir"
+    here = Path(__file__).resolve().parent
+    tir_dir = here / "tir"
     skip = {m for mods in FAMILY_MODULES.values() for m in mods} if family == "kvcache" else set()
-    for path in [p for p in sorted(tir_dir.glob("*.py")) if p.name not in skip] + [Path(__file__).resolve()]:
+    files = [p for p in sorted(tir_dir.glob("*.py")) if p.name not in skip]
+    files += [here / "build.py", here / "target.py"]  # how it is compiled, and for which Target
+    for path in files:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -177,13 +192,13 @@ def gencode_flags(arch: str) -> list:
 
 
 def _nvcc_cache_dir() -> Path:
-    return Path(os.environ.get("TVMKV_NVCC_CACHE", Path.home() / ".cache" / "tvmkv" / "nvcc"))
+    return Path(os.environ.get("TVMKV_NVCC_CACHE") or user_cache_dir() / "nvcc")
 
 
 def nvcc_fatbin(source: str, arch: str) -> bytes:
     """Compile CUDA ``source`` for ``arch`` into a fatbin (cached on disk by flags + source).
 
-    The cache lives in ``$TVMKV_NVCC_CACHE`` (default ``~/.cache/tvmkv/nvcc``).
+    The cache lives in ``$TVMKV_NVCC_CACHE`` (default ``nvcc/`` in :func:`user_cache_dir`).
     """
     nvcc = find_nvcc()
     flags = ["-O3", "--fatbin", *gencode_flags(arch), f"-diag-suppress={NVCC_DIAG_SUPPRESS}"]
@@ -330,7 +345,7 @@ def export_module(module, path: Path, target_kind: str, arch: str | None = None)
     if os.environ.get("TVMKV_CUDA_SOURCE") == "1":
         module.export_library(str(path))
         return "cuda"
-    blob = _fatbin_blob(module.mod if hasattr(module, "mod") else module, arch or DEFAULT_CUDA_ARCH)
+    blob = _fatbin_blob(module.mod if hasattr(module, "mod") else module, arch or default_cuda_arch())
 
     def pack_fatbin(_mod, is_system_lib, prefix, workspace_dir):
         if is_system_lib:
@@ -503,7 +518,7 @@ def family_kernels(key: BuildKey) -> dict:
 
 def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:
     """``(library path, cache_hit)``: compile ``key`` unless an up-to-date artifact exists."""
-    out = Path(build_dir or DEFAULT_BUILD_DIR) / key.target_dir
+    out = Path(build_dir or default_build_dir()) / key.target_dir
     lib_path = out / f"{key.name}.so"
     man_path = out / f"{key.name}.json"
     if not force and _is_fresh(lib_path, man_path, key.family):
@@ -594,7 +609,7 @@ def load_kernels(
     import tvm
 
     if spec.target_kind == "cuda" and arch is None:
-        arch = os.environ.get("TVMKV_CUDA_ARCH", DEFAULT_CUDA_ARCH)
+        arch = default_cuda_arch()
     if family != "kvcache":
         rope_mode, sliding = "none", False
     key = BuildKey(spec, rope_mode, bool(sliding), arch if spec.target_kind == "cuda" else None, family)
@@ -648,7 +663,7 @@ def expand_configs(entries, defaults: dict) -> list:
             if c["rope_mode"] not in ROPE_MODES:
                 raise ValueError(f"config entry {i}: rope_mode={c['rope_mode']!r} is not one of {ROPE_MODES}")
             spec = KernelSpec(**{k: c[k] for k in _SPEC_KEYS}, target_kind=c["target"])
-            arch = (c["arch"] or DEFAULT_CUDA_ARCH) if c["target"] == "cuda" else None
+            arch = (c["arch"] or default_cuda_arch()) if c["target"] == "cuda" else None
             family = c.get("family", "kvcache")
             if family == "kvcache":
                 key = BuildKey(spec, c["rope_mode"], bool(c["sliding"]), arch)
@@ -675,7 +690,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--arch",
         default=None,
-        help=f"CUDA arch(s), comma-separated, of {CUDA_ARCHS}; default {DEFAULT_CUDA_ARCH} (as sm_90a)",
+        help=f"CUDA arch(s), comma-separated, of {CUDA_ARCHS}; default $TVMKV_CUDA_ARCH or sm_90 (as sm_90a)",
     )
     p.add_argument("--num-qo-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
@@ -696,7 +711,7 @@ def _parser() -> argparse.ArgumentParser:
         help="JSON file: a list of dicts with keys from " + ", ".join(_CONFIG_KEYS) + " (list values expand); "
         "keys left out take the command-line values",
     )
-    p.add_argument("--build-dir", type=Path, default=None, help=f"default {DEFAULT_BUILD_DIR}")
+    p.add_argument("--build-dir", type=Path, default=None, help=f"{BUILD_DIR_HELP}; here: {default_build_dir()}")
     p.add_argument("--force", action="store_true", help="rebuild even when an up-to-date artifact exists")
     p.add_argument("-j", "--jobs", type=int, default=1, help="build this many kernel sets in parallel")
     return p
@@ -705,7 +720,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """``python -m tvmkv build ...``: build kernel sets, print one line per set, return the exit code."""
     args = _parser().parse_args(argv)
-    archs = [a.strip() for a in (args.arch or DEFAULT_CUDA_ARCH).split(",") if a.strip()]
+    try:
+        archs = [a.strip() for a in (args.arch or default_cuda_arch()).split(",") if a.strip()]
+    except ValueError as err:  # a bad $TVMKV_CUDA_ARCH
+        print(f"tvmkv build: error: {err}", file=sys.stderr)
+        return 2
     defaults = {
         "num_qo_heads": args.num_qo_heads,
         "num_kv_heads": args.num_kv_heads,
@@ -732,7 +751,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as err:
         print(f"tvmkv build: error: {err}", file=sys.stderr)
         return 2
-    build_dir = args.build_dir or DEFAULT_BUILD_DIR
+    build_dir = args.build_dir or default_build_dir()
     print(f"[tvmkv build] {len(keys)} kernel set(s) -> {build_dir}", flush=True)
     jobs = [(key, build_dir, args.force) for key in keys]
     t0 = time.time()

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tvmkv.build import BUILD_DIR_HELP, default_build_dir
+
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
 
 
@@ -291,7 +293,11 @@ def default_requests(vocab_size: int, seed: int, system_prompt: int = 0) -> list
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tvmkv generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
-    p.add_argument("--cuda-arch", default=None, help="sm_XX for --target cuda (default: the device's)")
+    p.add_argument(
+        "--cuda-arch",
+        default=None,
+        help="sm_XX for --target cuda (default: the device's, else $TVMKV_CUDA_ARCH or sm_90)",
+    )
     p.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
     p.add_argument(
         "--interface",
@@ -332,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
         help="prepend the same N tokens to every prompt (default: 32 with --prefix-cache, else 0)",
     )
     p.add_argument("--no-check", action="store_true", help="skip the PyTorch reference check")
-    p.add_argument("--build-dir", default=None, help="tvmkv kernel cache (default TVMKV_BUILD_DIR or build/)")
+    p.add_argument("--build-dir", default=None, help=f"tvmkv's {BUILD_DIR_HELP}; here: {default_build_dir()}")
     p.add_argument(
         "--export-lib",
         default=None,
@@ -357,12 +363,16 @@ def _runtime_only() -> bool:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from tvmkv.payload import bootstrap
+
+    bootstrap()  # before tvm: $TVMKV_PAYLOAD's runtime-only TVM on a GPU host
     import tvm
 
     import tvmkv
     from tvmkv.relax import TvmBuiltinOverride
     from tvmkv.relax.builtins import cuda_target
     from tvmkv.relax.llama import LlamaConfig, RelaxLlama, compile_llama, make_weights
+    from tvmkv.target import default_cuda_arch
 
     if args.target == "cuda" and args.export_lib is None and args.model_lib is None and _runtime_only():
         print(
@@ -379,7 +389,7 @@ def main(argv=None) -> int:
     device = tvm.cpu(0) if args.target == "llvm" else tvm.cuda(0)
     arch = args.cuda_arch
     if args.target == "cuda" and arch is None:
-        arch = "sm_" + device.compute_version.replace(".", "") if device.exist else "sm_90"
+        arch = "sm_" + device.compute_version.replace(".", "") if device.exist else default_cuda_arch()
     system_prompt = args.system_prompt if args.system_prompt is not None else 32 * args.prefix_cache
     if system_prompt < 0:
         print(f"error: --system-prompt {system_prompt} must be >= 0", file=sys.stderr)

@@ -86,15 +86,11 @@ def cuda_target(arch: str | None):
     Plain ``"cuda"`` when ``arch`` is tvmkv's default (``TVMKV_CUDA_ARCH`` or sm_90): the only spelling
     a runtime-only TVM (no ``Target`` constructor) accepts; otherwise a ``tvm.target.Target``.
     """
-    import os
+    from ..target import default_cuda_arch, make_target
 
-    from ..build import DEFAULT_CUDA_ARCH
-
-    if arch is None or arch == os.environ.get("TVMKV_CUDA_ARCH", DEFAULT_CUDA_ARCH):
+    if arch is None or arch == default_cuda_arch():
         return "cuda"
-    import tvm
-
-    return tvm.target.Target({"kind": "cuda", "arch": arch})
+    return make_target("cuda", arch)
 
 
 # ---------------------------------------------------------------------------- drop-in route

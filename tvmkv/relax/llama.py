@@ -88,13 +88,16 @@ def make_weights(cfg: LlamaConfig) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------------------- compile + run
 def target_of(target_kind: str, cuda_arch: str | None = None):
-    """``tvm.target.Target`` for "llvm" or "cuda" (arch default: TVMKV's sm_90)."""
+    """``tvm.target.Target`` for "llvm" (generic CPU: a portable model library) or "cuda" (arch default:
+    :func:`tvmkv.target.default_cuda_arch`)."""
     import tvm
+
+    from ..target import make_target
 
     if target_kind == "llvm":
         return tvm.target.Target("llvm")
     if target_kind == "cuda":
-        return tvm.target.Target({"kind": "cuda", "arch": cuda_arch or "sm_90"})
+        return make_target("cuda", cuda_arch)
     raise ValueError(f"target={target_kind!r} must be 'llvm' or 'cuda'")
 
 
