@@ -21,16 +21,12 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import cpu_model, write_results
 
 H_QO, H_KV, D, P = 32, 8, 128, 16
 DECODE_CASES = [(1, 1024), (8, 1024), (16, 2048)]  # (batch, context)
@@ -175,7 +171,7 @@ def tvm_upstream_impl(case: Case, data: dict):
     import tvm
     from tvm.relax.frontend.nn.llm import kv_cache as kvc
 
-    from tvmkv.build import make_target
+    from tvmkv.target import make_target
 
     rope_scaling = {}  # no "rope_type": default frequencies (RoPE is off: rotary_mode 0)
     if case.kind == "decode":
@@ -250,16 +246,6 @@ def torch_impl(case: Case, data: dict):
 IMPLS = {"tvmkv": tvmkv_impl, "tvm": tvm_upstream_impl, "torch": torch_impl}
 
 
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", nargs="+", default=["float32", "float16"])
@@ -304,7 +290,7 @@ def main(argv=None) -> int:
     table = render(rows, args)
     print(table)
     if args.write:
-        write_results(table)
+        write_results(table, MARK_BEGIN, MARK_END)
     return 0
 
 
@@ -312,7 +298,7 @@ def render(rows, args) -> str:
     import torch
     import tvm
 
-    from tvmkv.build import host_llvm_mcpu
+    from tvmkv.target import host_llvm_mcpu
 
     lines = [
         "## CPU",
@@ -353,19 +339,6 @@ def render(rows, args) -> str:
     for c, n, msg in failed:
         lines.append(f"\n{n} failed on {c.dtype} {c.label}: {msg}")
     return "\n".join(lines) + "\n"
-
-
-def write_results(table: str) -> None:
-    path = ROOT / "bench" / "RESULTS.md"
-    text = path.read_text() if path.exists() else "# tvmkv benchmark results\n\n"
-    block = f"{MARK_BEGIN}\n{table}{MARK_END}"
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + block + rest.split(MARK_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -27,16 +27,13 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import default_out_dir, machine_meta, tvm_cache_funcs, tvm_create_args, write_results
 
 H_QO, H_KV, D, P, DTYPE = 8, 2, 64, 16, "float16"  # small: with stubs the shape only sizes the pool
 BATCHES = (1, 32, 256)
@@ -45,143 +42,8 @@ MARK_BEGIN, MARK_END = "<!-- host:begin -->", "<!-- host:end -->"
 
 
 # ------------------------------------------------------------------------------------------------
-# TVM's own cache: the PrimFuncs TIRPagedKVCache hands to paged_attention_kv_cache_create
+# Stub kernels: the real signatures with empty bodies
 # ------------------------------------------------------------------------------------------------
-
-
-def tvm_cache_funcs(target_kind: str, *, num_layers, h_qo, h_kv, d, page_size, dtype) -> list:
-    """``[(name, PrimFunc)]`` in the order of create's arguments 13.. (TVM 0.27 TIRPagedKVCache).
-
-    Tuple arguments are rebuilt by :func:`tvm_create_args` from the names. For CUDA, four of them
-    (transpose_append[_mla], split_rotary, debug_get_kv) have no thread binding: a real build must give
-    them a GPU schedule first (``bench/gpu.py``'s ``gpu_schedule``, as TVM's relax pipeline does) or
-    they compile to host loops over device memory (the stubs here have empty bodies, so they don't care).
-    """
-    import tvm
-    from tvm.relax.frontend.nn.llm import kv_cache as kvc
-
-    rs = {}  # rope_scaling: default frequencies
-    target = tvm.target.Target({"kind": "llvm"} if target_kind == "llvm" else {"kind": "cuda", "arch": "sm_90"})
-    common = [
-        ("kv_cache_transpose_append", kvc._kv_cache_transpose_append(h_kv, d, dtype)),
-        ("kv_cache_transpose_append_mla", kvc._kv_cache_transpose_append_mla(d, dtype)),
-    ]
-    if target_kind == "llvm":
-        return common + [
-            (
-                "tir_attention_prefill_ragged_cpu",
-                kvc._attention_prefill_ragged_cpu(h_kv, h_qo, d, d, dtype, rs),
-            ),
-            ("tir_attention_prefill_cpu", kvc._attention_prefill_cpu(h_kv, h_qo, d, dtype, False, rs)),
-            ("tir_attention_decode_cpu", kvc._attention_decode_cpu(h_kv, h_qo, d, dtype, False, rs)),
-            (
-                "tir_attention_prefill_cpu_sliding_window",
-                kvc._attention_prefill_cpu(h_kv, h_qo, d, dtype, True, rs, sliding_window_size=1024),
-            ),
-            (
-                "tir_attention_decode_cpu_sliding_window",
-                kvc._attention_decode_cpu(h_kv, h_qo, d, dtype, True, rs),
-            ),
-            ("tir_attention_prefill_with_tree_mask_cpu", kvc.tree_attn_cpu(h_kv, h_qo, d, dtype, rs)),
-            (
-                "tir_attention_prefill_with_tree_mask_with_paged_kv_cache_cpu",
-                kvc.tree_attn_with_paged_kv_cache_cpu(h_kv, h_qo, d, dtype, rs),
-            ),
-            ("tir_attention_merge_state_cpu", kvc._merge_state_inplace_cpu(dtype)),
-            ("tir_split_rotary", kvc.llama_rope_with_position_map(1e4, 1.0, d, h_qo, h_kv, dtype, rs, d)),
-            ("kv_cache_copy_single_page_cpu", kvc._copy_single_page_cpu(h_kv, page_size, d, dtype)),
-            ("kv_cache_debug_get_kv", kvc._kv_cache_debug_get_kv(num_layers, h_kv, d, dtype)),
-            ("kv_cache_compact_kv_copy_cpu", kvc._compact_kv_copy_cpu(h_kv, d, dtype)),
-        ]
-    return common + [
-        ("tir_attention_prefill_ragged", kvc._attention_prefill_ragged(h_kv, h_qo, d, d, dtype, rs, target)),
-        ("tir_attention_prefill", kvc._attention_prefill(h_kv, h_qo, d, dtype, False, rs, target)),
-        ("tir_attention_decode", kvc._attention_decode(h_kv, h_qo, d, dtype, False, rs, target)),
-        (
-            "tir_attention_prefill_sliding_window",
-            kvc._attention_prefill(h_kv, h_qo, d, dtype, True, rs, target, sliding_window_size=1024),
-        ),
-        (
-            "tir_attention_decode_sliding_window",
-            kvc._attention_decode(h_kv, h_qo, d, dtype, True, rs, target),
-        ),
-        (
-            "tir_attention_prefill_with_tree_mask_with_paged_kv_cache",
-            kvc.tree_attn_with_paged_kv_cache(h_kv, h_qo, d, dtype, rs, target),
-        ),
-        ("tir_attention_prefill_with_tree_mask", kvc.tree_attn(h_kv, h_qo, d, dtype, rs, target)),
-        (
-            "tir_attention_merge_state",
-            kvc._merge_state_inplace(h_qo, d, dtype, target, "tir_attention_merge_state"),
-        ),
-        ("tir_split_rotary", kvc.llama_rope_with_position_map(1e4, 1.0, d, h_qo, h_kv, dtype, rs, d)),
-        ("kv_cache_copy_single_page", kvc._copy_single_page(h_kv, page_size, d, dtype, target)),
-        ("kv_cache_debug_get_kv", kvc._kv_cache_debug_get_kv(num_layers, h_kv, d, dtype)),
-        ("kv_cache_compact_kv_copy", kvc._compact_kv_copy(h_kv, d, dtype, target)),
-    ]
-
-
-def tvm_create_args(
-    module, names: list, device, *, max_batch, max_total, chunk, num_layers, h_qo, h_kv, d, page_size, dtype
-) -> list:
-    """The 28 arguments of ``vm.builtin.paged_attention_kv_cache_create`` (TIRPagedKVCache's order)."""
-    import tvm
-    import tvm_ffi
-
-    f = {n: module[n] for n in names}
-    cpu = "tir_attention_decode_cpu" in f
-    sfx = "_cpu" if cpu else ""
-    head = [
-        tvm_ffi.Shape([max_batch, max_total, chunk, page_size, 0, 1024]),
-        tvm_ffi.Shape([0, num_layers]),
-        h_qo,
-        h_kv,
-        d,
-        d,
-        tvm_ffi.Shape([0] * num_layers),  # AttnKind.MHA
-        False,
-        0,
-        1.0,
-        1e4,
-        0,  # disaggregation, rope_mode none, scale, theta, no ext factors
-        tvm.runtime.tensor(np.zeros((), dtype), device),
-        f["kv_cache_transpose_append"],
-        f["kv_cache_transpose_append_mla"],
-    ]
-    if cpu:
-        attn = [
-            "tir_attention_prefill_ragged_cpu",
-            "tir_attention_prefill_cpu",
-            "tir_attention_decode_cpu",
-            "tir_attention_prefill_cpu_sliding_window",
-            "tir_attention_decode_cpu_sliding_window",
-            "tir_attention_prefill_with_tree_mask_cpu",
-            "tir_attention_prefill_with_tree_mask_with_paged_kv_cache_cpu",
-        ]
-        merge = [f["tir_attention_merge_state_cpu"]]
-    else:
-        attn = [
-            "tir_attention_prefill_ragged",
-            "tir_attention_prefill",
-            "tir_attention_decode",
-            "tir_attention_prefill_sliding_window",
-            "tir_attention_decode_sliding_window",
-            "tir_attention_prefill_with_tree_mask_with_paged_kv_cache",
-            "tir_attention_prefill_with_tree_mask",
-        ]
-        merge = [f["tir_attention_merge_state"]]
-    return (
-        head
-        + [["tirx", f[n]] for n in attn]
-        + [
-            [],  # MLA prefill
-            merge,
-            f["tir_split_rotary"],
-            f[f"kv_cache_copy_single_page{sfx}"],
-            f["kv_cache_debug_get_kv"],
-            f[f"kv_cache_compact_kv_copy{sfx}"],
-        ]
-    )
 
 
 def stub(func):
@@ -194,10 +56,10 @@ def stub(func):
 def compile_stubs(funcs: list, target_kind: str):
     import tvm
 
-    from tvmkv.build import make_target
+    from tvmkv.target import make_target
 
     mod = tvm.IRModule({n: stub(f).with_attr("global_symbol", n) for n, f in funcs})
-    return tvm.compile(mod, target=make_target(target_kind, "sm_90"), tir_pipeline="tirx")
+    return tvm.compile(mod, target=make_target(target_kind), tir_pipeline="tirx")
 
 
 def stub_libraries(target_kind: str, stub_dir: Path | None):
@@ -251,7 +113,8 @@ class _StubLibrary:
         return f
 
     def __contains__(self, name):
-        return self.module.implements_function(name)
+        # tvm.compile's Executable (stubs compiled in this process) wraps the runtime module in .mod
+        return getattr(self.module, "mod", self.module).implements_function(name)
 
 
 def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk):
@@ -422,7 +285,7 @@ def render(rows, meta) -> str:
         "step* flip the batch order each step, which forces its general planning path. "
         "`bench/host.py --write` regenerates this section.",
         "",
-        "Acceptance (issue 5): tvmkv step <= 0.5x TVM at batch 256, <= 1x at 32, <= 1.5x at 1.",
+        "Acceptance: tvmkv step <= 0.5x TVM at batch 256, <= 1x at 32, <= 1.5x at 1.",
         "",
         "| batch | pool | pages | tvmkv step µs (begin / attn / end) | TVM C++ step µs (begin / attn / end) "
         "| tvmkv / TVM | target | ok |",
@@ -454,44 +317,6 @@ def render(rows, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine_meta(target: str) -> dict:
-    """Where and when a benchmark ran (date, host, CPU model and count, load, TVM, GPU name): the
-    header every bench/RESULTS.md section states."""
-    import tvm
-
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "ncpu": os.cpu_count(),
-        "load": os.getloadavg()[0],
-        "target": target,
-        "tvm": tvm.__version__,
-        "device": tvm.cuda(0).device_name if target == "cuda" else None,
-    }
-    try:
-        from bench.cpu import cpu_model
-
-        meta["cpu"] = cpu_model()
-    except Exception:  # noqa: BLE001
-        pass
-    return meta
-
-
-def write_results(table: str, begin: str = MARK_BEGIN, end: str = MARK_END) -> None:
-    """Replace the section between ``begin`` and ``end`` of bench/RESULTS.md (append it if absent)."""
-    path = ROOT / "bench" / "RESULTS.md"
-    text = path.read_text() if path.exists() else "# tvmkv benchmark results\n\n"
-    block = f"{begin}\n{table}{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
-    print(f"wrote {path}")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
@@ -503,18 +328,16 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--prepare", type=Path, help="only compile the stub libraries into this folder")
     ap.add_argument("--stubs", type=Path, help="load stub libraries from here (runtime-only TVM)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    ap.add_argument("--out", type=Path, default=default_out_dir(), help="write JSON + table here (default $OUT)")
     ap.add_argument("--write", action="store_true", help="write the Host path section of bench/RESULTS.md")
     args = ap.parse_args(argv)
     os.environ.setdefault("TVM_NUM_THREADS", "1")
     if args.prepare:
         prepare(args.prepare, args.target)
         return 0
-    payload = os.environ.get("TVMKV_PAYLOAD")
-    if payload:  # GPU machine: runtime-only TVM needs its CUDA backend loaded first
-        sys.path.insert(0, payload)
-        import tvm_cuda_runtime  # noqa: F401
+    from tvmkv.payload import bootstrap
 
+    bootstrap()  # $TVMKV_PAYLOAD: the GPU machine's runtime-only TVM, before tvm is imported
     libs = stub_libraries(args.target, args.stubs)
     rows = []
     cases = [(b, cf, False) for b in args.batches for cf in args.capacity]
@@ -543,7 +366,7 @@ def main(argv=None) -> int:
         (args.out / f"host_{args.target}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (args.out / f"host_{args.target}.md").write_text(table)
     if args.write:
-        write_results(table)
+        write_results(table, MARK_BEGIN, MARK_END)
     return 0
 
 

@@ -26,15 +26,11 @@ bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import machine_meta, write_results
 
 MARK_BEGIN, MARK_END = "<!-- prefix:begin -->", "<!-- prefix:end -->"
 
@@ -209,10 +205,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--write", action="store_true", help="write the Prefix cache section of bench/RESULTS.md")
     args = ap.parse_args(argv)
-    payload = os.environ.get("TVMKV_PAYLOAD")
-    if payload:  # GPU machine: runtime-only TVM needs its CUDA backend loaded first
-        sys.path.insert(0, payload)
-        import tvm_cuda_runtime  # noqa: F401
+    from tvmkv.payload import bootstrap
+
+    bootstrap()  # $TVMKV_PAYLOAD: the GPU machine's runtime-only TVM, before tvm is imported
 
     prompts = workload(args.requests, args.system)
     results = {}
@@ -230,8 +225,6 @@ def main(argv=None) -> int:
         )
     base, pref = results[False], results[True]
     err = max(float(np.abs(base["out"][k] - pref["out"][k]).max()) for k in base["out"])
-    from bench.host import machine_meta
-
     meta = {
         **machine_meta(args.target),
         "requests": args.requests,
@@ -254,8 +247,6 @@ def main(argv=None) -> int:
         print(f"outputs of the two runs differ by {err:.2e} > {tol}", file=sys.stderr)
         return 1
     if args.write:
-        from bench.host import write_results
-
         write_results(table, MARK_BEGIN, MARK_END)
     return 0
 

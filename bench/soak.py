@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0 = none)")
     ap.add_argument("--json", type=Path, help="also write the summary here")
     args = ap.parse_args(argv)
+    from tvmkv.payload import bootstrap
+
+    bootstrap()  # $TVMKV_PAYLOAD: the GPU machine's runtime-only TVM, before tvm is imported
 
     h = _load_harness()
     t_build = time.time()

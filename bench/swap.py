@@ -13,7 +13,7 @@ Usage::
 
     .venv/bin/python bench/swap.py [--target llvm|cuda] [--layers 8] [--seqs 8] [--tokens 512] [--write]
 
-On the GPU machine (runtime-only TVM) set ``TVMKV_PAYLOAD`` (it imports ``tvm_cuda_runtime`` first)
+On the GPU machine (runtime-only TVM) set ``TVMKV_PAYLOAD`` (``tvmkv.payload.bootstrap``)
 and carry the prebuilt ``build/cuda-sm_90``: the cache's kernel set (q32 kv8 d128 p16 float16, the
 "cache defaults" entry of scripts/gpu_configs.json) must include ``gather_pages`` / ``scatter_pages``.
 ``--write`` replaces the ``<!-- swap:begin -->`` section of bench/RESULTS.md.
@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import RESULTS, default_out_dir, machine_meta, write_results
 
 H_QO, H_KV, D, P, DTYPE = 32, 8, 128, 16, "float16"
 MARK_BEGIN, MARK_END = "<!-- swap:begin -->", "<!-- swap:end -->"
@@ -216,7 +213,7 @@ def render(r: dict, meta: dict) -> str:
 
 def section(target: str, table: str) -> str:
     """The whole swap section of bench/RESULTS.md: this target's table, the other target's as it is."""
-    text = (ROOT / "bench" / "RESULTS.md").read_text() if (ROOT / "bench" / "RESULTS.md").exists() else ""
+    text = RESULTS.read_text() if RESULTS.exists() else ""
     parts = {}
     for t in ("llvm", "cuda"):
         begin, end = f"<!-- swap-{t}:begin -->", f"<!-- swap-{t}:end -->"
@@ -234,21 +231,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, default=None, help="default 8 (llvm) / 32 (cuda)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per sequence, default 512 (llvm) / 1024 (cuda)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    ap.add_argument("--out", type=Path, default=default_out_dir(), help="write JSON + table here (default $OUT)")
     ap.add_argument("--write", action="store_true", help="replace the swap section of bench/RESULTS.md")
     args = ap.parse_args(argv)
-    payload = os.environ.get("TVMKV_PAYLOAD")
-    if payload:  # GPU machine: the runtime-only TVM needs its CUDA backend loaded first
-        sys.path.insert(0, payload)
-        import tvm_cuda_runtime  # noqa: F401
+    from tvmkv.payload import bootstrap
+
+    bootstrap()  # $TVMKV_PAYLOAD: the GPU machine's runtime-only TVM, before tvm is imported
 
     gpu = args.target == "cuda"
     layers = args.layers or (32 if gpu else 8)
     seqs = args.seqs or (32 if gpu else 8)
     tokens = args.tokens or (1024 if gpu else 512)
     r = run(args.target, layers, seqs, tokens, args.reps)
-    from bench.host import machine_meta
-
     meta = {**machine_meta(args.target), "reps": args.reps}
     table = render(r, meta)
     print(json.dumps(r, indent=1))
@@ -258,8 +252,6 @@ def main(argv=None) -> int:
         (args.out / f"swap_{args.target}.json").write_text(json.dumps({"meta": meta, "result": r}, indent=1))
         (args.out / f"swap_{args.target}.md").write_text(table)
     if args.write:
-        from bench.host import write_results
-
         write_results(section(args.target, table), MARK_BEGIN, MARK_END)
     return 0 if r["bit_exact"] else 1
 

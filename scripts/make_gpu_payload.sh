@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Build everything the GPU machine needs to run tvmkv's GPU tests and benchmarks, on this machine:
-#   .devpayload/   runtime-only TVM (via make-payload.sh) + pytest/ml_dtypes wheels + gpu_smoke.py
-#   build/cuda-<arch>/   prebuilt kernel sets (fatbins, no compiler needed there) + manifest.json
+#   .devpayload/   runtime-only TVM (via the device kit's make-payload.sh) + pytest/ml_dtypes wheels
+#   build/cuda-<arch>/   prebuilt kernel sets (fatbins, no compiler needed there) + manifest.json,
+#                        and models/ (the tiny Llama compiled for cuda)
+#   build/tvm-cuda-<arch>/, build/host-stubs-cuda/   the TVM baselines of the benchmarks
 # Usage: scripts/make_gpu_payload.sh [--arch sm_90] [--config scripts/gpu_configs.json] [-j N] [--no-wheels]
+# make-payload.sh: $MAKE_PAYLOAD, else shared/device/make-payload.sh in or beside this checkout.
 # Prints the `carry` list and the command to run on the GPU machine. Total must stay < 64 MiB.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
 make_payload=${MAKE_PAYLOAD:-}
-for cand in "$root/shared/device/make-payload.sh" /work/shared/device/make-payload.sh; do
+for cand in "$root/shared/device/make-payload.sh" "$root/../shared/device/make-payload.sh"; do
   [ -z "$make_payload" ] && [ -f "$cand" ] && make_payload=$cand
 done
 arch=sm_90 config=$root/scripts/gpu_configs.json jobs=2 wheels=1
@@ -35,9 +38,8 @@ if [ "$wheels" = 1 ]; then
     || echo "warning: wheel download failed; the GPU machine must bring its own pytest" >&2
   rm -f "$out"/numpy-*.whl   # the GPU machine has numpy 2.5; do not shadow it
 fi
-cp "$root/scripts/gpu_smoke.py" "$out/"
 echo "== kernel sets for cuda $arch from $config"
-"$py" -m tvmkv build --target cuda --arch "$arch" --config "$config" -j "$jobs"
+"$py" -m tvmkv build --target cuda --arch "$arch" --config "$config" -j "$jobs" --build-dir "$root/build"
 echo "== tiny Llama model libraries (tvmkv generate --model-lib) -> build/cuda-$arch/models"
 models=$root/build/cuda-$arch/models
 mkdir -p "$models"
@@ -47,8 +49,9 @@ for spec in "tiny_llama:--dtype float32" "tiny_llama_tvm:--dtype float32 --inter
   [ -f "$models/$name.so" ] || (cd "$root" && "$py" -m tvmkv generate --target cuda --cuda-arch "$arch" \
       ${spec#*:} --export-lib "$models/$name.so" | tail -n 1)
 done
-echo "== baselines for bench/gpu.py and bench/host.py"
-[ -f "$root/build/tvm-cuda-$arch/tvm_kv_cache.so" ] || (cd "$root" && "$py" bench/gpu.py --prepare "build/tvm-cuda-$arch")
+echo "== baselines for bench/gpu_attention.py and bench/host.py"
+[ -f "$root/build/tvm-cuda-$arch/tvm_kv_cache.so" ] || (cd "$root" && "$py" bench/gpu_tvm_baseline.py \
+    --prepare "build/tvm-cuda-$arch" --arch "$arch")
 [ -d "$root/build/host-stubs-cuda" ] || (cd "$root" && "$py" bench/host.py --prepare build/host-stubs-cuda --target cuda)
 echo "== sizes"
 carried=("$out" "$root/build/cuda-$arch" "$root/build/tvm-cuda-$arch" "$root/build/host-stubs-cuda")
@@ -62,5 +65,5 @@ fi
 cat <<MSG
 carry: [".devpayload", "build/cuda-$arch", "build/tvm-cuda-$arch", "build/host-stubs-cuda"]
 GPU command (one call; logs and benchmark results land in \$OUT):
-  bash scripts/gpu_suite.sh
+  TVMKV_CUDA_ARCH=$arch bash scripts/gpu_suite.sh
 MSG

@@ -1,42 +1,38 @@
-"""Check and time the CUDA ``paged_decode`` kernel against NumPy, torch SDPA and copy bandwidth.
+"""Check and time the CUDA ``paged_decode`` kernel and its tuning variants against NumPy, torch SDPA
+and copy bandwidth.
 
 Two modes:
 
-* ``--prepare`` (a machine with the full TVM + nvcc, no GPU needed): build the decode-only tuning
-  variants (warps per block x keys per lane group, plus the generic schedule) of the bench
-  configuration into ``<build-dir>/../variants/``. The kernel sets themselves come from
-  ``python -m tvmkv build --target cuda --arch sm_90 --build-dir .decodegpu/build ...``.
+* ``--prepare`` (a machine with the full TVM + nvcc, no GPU needed): build the decode-only libraries
+  into ``--variants`` (default ``decode-variants-<arch>/`` in tvmkv's build dir): the tuning variants
+  (warps per block x keys per lane group, plus the generic schedule) of the bench configuration and
+  the decode kernel of every correctness case.
 * default (the GPU machine, runtime-only TVM; see the usage line below): correctness of decode
   (incl. sliding window + inline RoPE) against ``tvmkv.reference.attention`` and, at the bench
   shapes, against torch SDPA; then CUDA-event timings (median over repeats of back-to-back launches
   queued behind a ``torch.cuda._sleep`` so CPU launch overhead is hidden) vs torch SDPA on
   contiguous K/V (``enable_gqa``) and a device-to-device copy.
 
-Usage on the GPU machine::
+Usage on the GPU machine (carry ``.devpayload`` and the ``--variants`` folder)::
 
     source .devpayload/setup.sh && TVMKV_PAYLOAD=$PWD/.devpayload TVM_USE_RUNTIME_LIB=1 \\
-        TVMKV_BUILD_DIR=$PWD/.decodegpu/build python3 scripts/decode_gpu_bench.py
+        python3 bench/gpu_decode_variants.py --variants build/decode-variants-sm_90
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-_payload = os.environ.get("TVMKV_PAYLOAD")
-if _payload:
-    sys.path.insert(0, _payload)
-    import tvm_cuda_runtime  # noqa: F401  (loads TVM's CUDA runtime before anything touches CUDA)
+import numpy as np
+from _common import ROOT
 
-import numpy as np  # noqa: E402
-import tvm  # noqa: E402
-
-from tvmkv.tir.spec import KernelSpec  # noqa: E402
+from tvmkv.build import default_build_dir
+from tvmkv.payload import bootstrap
+from tvmkv.target import default_cuda_arch
+from tvmkv.tir.spec import KernelSpec
 
 BENCH = KernelSpec(32, 8, 128, 16, "float16", "cuda")
 SHAPES = [(1, 1024), (32, 1024), (64, 4096), (128, 4096), (256, 2048)]
@@ -62,10 +58,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_attention_kernels import CORE, EXTRA  # noqa: E402
 from test_attention_kernels import ROPE_CFGS as ROPE  # noqa: E402
 from test_attention_kernels import SLIDING_CFGS as SLIDING  # noqa: E402
-
-
-def build_dir() -> Path:
-    return Path(os.environ.get("TVMKV_BUILD_DIR", ROOT / ".decodegpu" / "build"))
 
 
 def _check_name(spec, sliding, rope) -> str:
@@ -95,13 +87,12 @@ def check_cases():
     return cases
 
 
-def prepare(arch: str) -> None:
+def prepare(arch: str, out: Path) -> None:
     from tvmkv.build import compile_funcs, export_module
     from tvmkv.tir._attn_common import build_attention
     from tvmkv.tir.decode import make_paged_decode
     from tvmkv.tir.decode_cuda import make_paged_decode_cuda
 
-    out = build_dir().parent / "variants"
     out.mkdir(parents=True, exist_ok=True)
     funcs = {
         n: make_paged_decode_cuda(BENCH, num_warps=nw, unroll=u, double_buffer=db, **kw)
@@ -128,11 +119,13 @@ def _np_dtype(dtype):
     return np.dtype(dtype)
 
 
-def check_reference(spec, *, sliding, rope, kv_lens, windows, rng) -> str:
-    """Run the prebuilt decode-only library on random paged data and compare with NumPy."""
+def check_reference(spec, vdir: Path, *, sliding, rope, kv_lens, windows, rng) -> str:
+    """Run the prebuilt decode-only library (in ``vdir``) on random paged data and compare with NumPy."""
+    import tvm
+
     from tvmkv.reference import attention as ref
 
-    path = build_dir().parent / "variants" / f"{_check_name(spec, sliding, rope)}.so"
+    path = vdir / f"{_check_name(spec, sliding, rope)}.so"
     lib = tvm.runtime.load_module(str(path))
     P, B = spec.page_size, len(kv_lens)
     npages = [-(-L // P) for L in kv_lens]
@@ -184,10 +177,11 @@ def gpu_time_ms(torch, fn, reps=20, inner=10) -> float:
     return float(np.median(times))
 
 
-def bench(torch) -> None:
+def bench(torch, vdir: Path) -> None:
+    import tvm
+
     spec = BENCH
     H_qo, H_kv, D, P = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
-    vdir = build_dir().parent / "variants"
     kernels = {"tvmkv": tvm.runtime.load_module(str(vdir / f"{_check_name(spec, False, False)}.so"))["paged_decode"]}
     for name in [*VARIANTS, "generic"]:
         if (vdir / f"{name}.so").exists():
@@ -257,16 +251,27 @@ def bench(torch) -> None:
         del pages, k, v
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prepare", action="store_true", help="build the tuning variants (full TVM + nvcc)")
-    p.add_argument("--arch", default="sm_90")
-    p.add_argument("--skip-bench", action="store_true")
-    args = p.parse_args()
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prepare", action="store_true", help="build the decode-only libraries (full TVM + nvcc)")
+    p.add_argument("--arch", default=None, help="CUDA arch of --prepare (default $TVMKV_CUDA_ARCH or sm_90)")
+    p.add_argument(
+        "--variants",
+        type=Path,
+        default=None,
+        help="folder of the decode-only libraries (default: decode-variants-<arch> in tvmkv's build dir, "
+        "see python -m tvmkv build --help)",
+    )
+    p.add_argument("--skip-bench", action="store_true", help="correctness checks only")
+    args = p.parse_args(argv)
+    arch = args.arch or default_cuda_arch()
+    vdir = args.variants or default_build_dir() / f"decode-variants-{arch}"
     if args.prepare:
-        prepare(args.arch)
+        prepare(arch, vdir)
         return 0
+    bootstrap()  # $TVMKV_PAYLOAD: the GPU machine's runtime-only TVM, before tvm is imported
     import torch
+    import tvm
 
     dev = tvm.cuda(0)
     print(f"device: {torch.cuda.get_device_name()} (compute {dev.compute_version}); torch {torch.__version__}")
@@ -275,13 +280,13 @@ def main() -> int:
     failed = 0
     for spec, sliding, rope, kv_lens, windows in checks:
         try:
-            line = check_reference(spec, sliding=sliding, rope=rope, kv_lens=kv_lens, windows=windows, rng=rng)
+            line = check_reference(spec, vdir, sliding=sliding, rope=rope, kv_lens=kv_lens, windows=windows, rng=rng)
         except Exception as err:  # noqa: BLE001 - report and go on to the timings
             line = f"FAIL {spec.tag}: {type(err).__name__}: {str(err)[:300]}"
         failed += line.startswith("FAIL")
         print(line, flush=True)
     if not args.skip_bench:
-        bench(torch)
+        bench(torch, vdir)
     return 1 if failed else 0
 
 

@@ -1,8 +1,8 @@
-"""GPU-machine smoke check of prebuilt tvmkv CUDA libraries: they load and run with no CUDA compiler.
+"""Check prebuilt tvmkv CUDA libraries on the GPU machine: they load and run with no CUDA compiler.
 
-Usage (on the GPU machine, after ``source .devpayload/setup.sh``)::
+Usage (on the GPU machine, after ``source .devpayload/setup.sh``; ``scripts/gpu_suite.sh`` runs it)::
 
-    python3 .devpayload/gpu_smoke.py build/cuda-sm_90 [--allow-source]
+    TVMKV_PAYLOAD=$PWD/.devpayload python3 scripts/check_prebuilt_kernels.py build/cuda-sm_90 [--allow-source]
 
 For every ``kvcache_*.so`` listed in the directory's ``manifest.json``: load it (timed), then run
 ``copy_page`` once and compare with NumPy. ``tvm_callback_cuda_compile`` is replaced by a function that
@@ -13,22 +13,27 @@ raises, so a library that still carried CUDA source (compiled at load) fails lou
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tvmkv without an install (the GPU machine)
+
 import numpy as np  # noqa: E402
-import tvm  # noqa: E402
-import tvm_cuda_runtime  # noqa: E402,F401  (loads TVM's CUDA runtime in runtime-only mode)
-import tvm_ffi  # noqa: E402
+
+from tvmkv.payload import bootstrap  # noqa: E402
 
 
 def main(argv) -> int:
     if not argv:
         print(__doc__)
         return 2
+    bootstrap()  # $TVMKV_PAYLOAD: the runtime-only TVM's CUDA backend, before tvm is imported
+    import tvm
+    import tvm_ffi
+
     lib_dir = Path(argv[0])
     if "--allow-source" not in argv:
 
@@ -77,5 +82,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     sys.exit(main(sys.argv[1:]))
