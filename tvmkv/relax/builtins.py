@@ -180,7 +180,7 @@ class TvmBuiltinOverride:
     num_pages : int, optional
         Pages per layer of the caches created (default: tvmkv's default for the sizes given).
     build_dir : path, optional
-        Kernel build cache of the created caches (default ``TVMKV_BUILD_DIR`` or ``build/``).
+        Kernel build cache of the created caches (default :func:`tvmkv.build.default_build_dir`).
     cuda_arch : str, optional
         ``sm_XX`` of the kernels when the model runs on CUDA (default: the device's compute version).
     """
