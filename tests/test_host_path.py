@@ -97,9 +97,10 @@ def test_back_to_back_forwards_match_model(target, cfg, splits):
             flat = [p for ps in parents for p in ps]
         cache.begin_forward(ids, lengths, flat)
         rep.model.begin(ids, lengths, parents)
-        slots.append(cache._fwd.dev["page_indptr"].data_ptr())
-        if cache._fwd.kernel == "paged_decode":
-            chunks.append(cache._fwd.decode_split.num_splits)
+        info = cache.debug_forward()
+        slots.append(info.slot)
+        if info.kernel == "paged_decode":
+            chunks.append(info.num_splits)
         for layer, (q_host, q_dev) in enumerate(next(it)):
             o = cache.attention_with_fused_qkv(layer, q_dev)  # a device tensor, not read back yet
             ref, _ = rep.model.attention(layer, q_host)
@@ -151,14 +152,13 @@ def test_page_indices_follow_page_lists_after_every_operation(rng):
             live.append(sid)
             if rng.random() < 0.3:
                 cache.enable_sliding_window_for_seq(sid, int(rng.integers(6, 20)), int(rng.integers(0, 3)))
-        elif r < 0.25 and cache.sequence_length(live[0]) > 2 and not cache._seqs[live[0]].slid:
+        elif r < 0.25 and cache.sequence_length(live[0]) > 2 and not cache.sequence_info(live[0]).slid:
             child = step + 1000
             cache.fork_sequence(live[0], child, int(rng.integers(1, cache.sequence_length(live[0]))))
             live.append(child)
         elif r < 0.35:
             sid = live[int(rng.integers(len(live)))]
-            seq = cache._seqs[sid]
-            limit = seq.kv_len - seq.window_start if seq.slid else seq.length
+            limit = cache.sequence_info(sid).poppable
             cache.pop_n(sid, int(rng.integers(0, limit + 1)))
         elif r < 0.42 and len(live) > 1:
             cache.remove_sequence(live.pop(int(rng.integers(len(live)))))
@@ -166,10 +166,10 @@ def test_page_indices_follow_page_lists_after_every_operation(rng):
             batch = list(rng.choice(live, size=min(len(live), int(rng.integers(1, 5))), replace=False))
             lengths = [int(rng.integers(1, 6)) for _ in batch]
             cache.begin_forward(batch, lengths)
-            d = cache._fwd.dev
-            indptr = d["page_indptr"].numpy()
-            want = np.concatenate([np.asarray(cache._seqs[s].pages, np.int32) for s in batch] + [[]])
-            got = d["page_indices"].numpy()[: indptr[-1]]
+            d = cache.debug_forward().arrays
+            indptr = d["page_indptr"]
+            want = np.concatenate([np.asarray(cache.sequence_pages(s), np.int32) for s in batch] + [[]])
+            got = d["page_indices"][: indptr[-1]]
             np.testing.assert_array_equal(got, want.astype(np.int32), err_msg=f"step {step}")
             cache.end_forward()
         cache.check_integrity()
@@ -186,8 +186,6 @@ def test_decode_fast_path_arrays_follow_page_lists(rng):
         dtype="float32", num_pages=40,
     )  # fmt: skip
     taken = []
-    fast = cache._decode_fast_path
-    cache._decode_fast_path = lambda *a: taken.append(fast(*a)) or taken[-1]
     live, batch, next_id, out_of_pages = [], [], 0, 0
     for step in range(400):
         r = rng.random()
@@ -212,20 +210,22 @@ def test_decode_fast_path_arrays_follow_page_lists(rng):
         else:
             if not batch or not set(batch) <= set(live) or rng.random() < 0.1:
                 batch = [int(s) for s in rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False)]
-            before = {s: list(cache._seqs[s].pages) for s in live}
+            before = {s: cache.sequence_pages(s) for s in live}
             free_before = cache.num_available_pages()
             try:
                 cache.begin_forward(batch, [1] * len(batch))
             except tvmkv.OutOfPagesError:
-                assert {s: cache._seqs[s].pages for s in live} == before and cache.num_available_pages() == free_before
+                assert {s: cache.sequence_pages(s) for s in live} == before
+                assert cache.num_available_pages() == free_before
                 out_of_pages += 1
                 cache.remove_sequence(live.pop(0))  # make room, as a scheduler would preempt
                 continue
-            seqs = [cache._seqs[s] for s in batch]
+            seqs = [cache.sequence_info(s) for s in batch]
             kv = np.array([s.kv_len for s in seqs])
             npages = np.array([len(s.pages) for s in seqs])
-            host = cache._index.host
-            dev = {name: t.numpy() for name, t in cache._fwd.dev.items()}
+            info = cache.debug_forward()
+            taken.append(info.repeated)
+            dev = info.arrays
 
             np.testing.assert_array_equal(dev["page_indptr"], np.concatenate([[0], np.cumsum(npages)]))
             pages = np.concatenate([s.pages for s in seqs])
@@ -234,7 +234,6 @@ def test_decode_fast_path_arrays_follow_page_lists(rng):
             np.testing.assert_array_equal(dev["q_pos"], kv - 1)
             want_slots = [s.pages[(n - 1) // P] * P + (n - 1) % P for s, n in zip(seqs, kv)]
             np.testing.assert_array_equal(dev["slots"], want_slots, err_msg=f"step {step}")
-            assert host is cache._index.host
             cache.end_forward()
         cache.check_integrity()
     assert sum(taken) > 100 and out_of_pages, f"fast path taken {sum(taken)} times, {out_of_pages} out of pages"

@@ -108,10 +108,7 @@ def _debug_get_kv(cache: PagedAttentionKVCache, seq_id, start_pos, end_pos, k_da
 
 def _query_positions(cache: PagedAttentionKVCache):
     """Logical positions ``[n]`` int32 of the open forward's tokens (a device tensor)."""
-    fwd = cache._fwd  # the planned forward's uploaded index arrays (docs/layout.md, "Ragged queries")
-    if fwd is None:
-        raise RuntimeError("get_query_positions called outside begin_forward/end_forward")
-    return fwd.dev["q_pos"]
+    return cache.query_positions()
 
 
 def _impls() -> dict:

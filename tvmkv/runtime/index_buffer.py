@@ -23,9 +23,12 @@ call returns.
 Views: TVM's ``Tensor._create_view(shape, dtype, relative_byte_offset)`` keeps the offset in
 ``DLTensor.byte_offset``, which tvmkv's kernels reject (their buffers require ``byte_offset == 0``).
 So views are imported through DLPack with the data pointer itself advanced (every array starts on a
-64-byte boundary, as TVM's DLPack import and the kernels' buffers expect). Such a view does not own
-its memory: the :class:`IndexBuffers` that made it keeps the allocation (and the DLPack structs)
-alive, and retired allocations are kept until the object dies.
+64-byte boundary, as TVM's DLPack import and the kernels' buffers expect). Each view's DLPack struct
+(``DLManagedTensor`` followed by its shape) is ONE block from C ``malloc`` whose deleter is C ``free``:
+the tensor TVM makes from it owns it and frees it when the last reference to the view goes, however
+long a caller keeps the view (no Python callback runs from C, and dropping the view cache never
+frees a struct a live view still points into). The memory a view points into is owned by the
+:class:`IndexBuffers` that made it, which keeps every allocation (retired ones too) until it dies.
 """
 
 from __future__ import annotations
@@ -66,9 +69,15 @@ class _DLTensor(ctypes.Structure):
 
 
 class _DLManagedTensor(ctypes.Structure):
-    # deleter is left NULL: the owner (IndexBuffers) keeps this struct and the memory alive, so no
-    # Python callback ever runs from C (a ctypes callback during interpreter shutdown can crash).
+    # deleter is C's free(): the struct and its shape are one malloc'd block (see the module docstring)
     _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_libc = ctypes.CDLL(None)
+_malloc = _libc.malloc
+_malloc.restype = ctypes.c_void_p
+_malloc.argtypes = [ctypes.c_size_t]
+_FREE = ctypes.cast(_libc.free, ctypes.c_void_p).value
 
 
 _capsule_new = ctypes.pythonapi.PyCapsule_New
@@ -79,8 +88,8 @@ _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 class _Export:
     """A DLPack producer for ``tvm.runtime.from_dlpack``: int32 ``shape`` at ``base + byte_offset``."""
 
-    def __init__(self, base, byte_offset: int, shape: tuple, keep: list):
-        self.base, self.byte_offset, self.shape, self.keep = base, byte_offset, shape, keep
+    def __init__(self, base, byte_offset: int, shape: tuple):
+        self.base, self.byte_offset, self.shape = base, byte_offset, shape
 
     def __dlpack_device__(self):
         dev = self.base.device
@@ -88,16 +97,23 @@ class _Export:
 
     def __dlpack__(self, stream=None, **_):
         dev_type, dev_id = self.__dlpack_device__()
-        shape = (ctypes.c_int64 * len(self.shape))(*self.shape)
-        m = _DLManagedTensor()
+        ndim = len(self.shape)
+        head = ctypes.sizeof(_DLManagedTensor)
+        addr = _malloc(head + 8 * ndim)
+        if not addr:
+            raise MemoryError("malloc of a DLPack struct failed")
+        ctypes.memset(addr, 0, head)
+        shape = (ctypes.c_int64 * ndim).from_address(addr + head)
+        shape[:] = self.shape
+        m = _DLManagedTensor.from_address(addr)
         m.dl_tensor.data = self.base.data_ptr() + self.byte_offset
         m.dl_tensor.device = _DLDevice(dev_type, dev_id)
-        m.dl_tensor.ndim = len(self.shape)
+        m.dl_tensor.ndim = ndim
         m.dl_tensor.dtype = _DLDataType(0, 32, 1)  # int32
-        m.dl_tensor.shape = shape
+        m.dl_tensor.shape = ctypes.cast(addr + head, ctypes.POINTER(ctypes.c_int64))
         m.dl_tensor.byte_offset = 0
-        self.keep.append((m, shape))
-        return _capsule_new(ctypes.addressof(m), b"dltensor", None)
+        m.deleter = _FREE  # TVM's tensor owns the block from here on
+        return _capsule_new(addr, b"dltensor", None)
 
 
 class IndexBuffers:
@@ -126,14 +142,13 @@ class IndexBuffers:
 
         capacity = -(-max(capacity, _BUCKET) // _BUCKET) * _BUCKET
         if hasattr(self, "host"):
-            self._retired.append((self._host_t, self._dev, self._keep))
+            self._retired.append((self._host_t, self._dev))
         self._host_t = tvm.runtime.empty((capacity,), "int32", tvm.cpu(0))
         self.host = np.from_dlpack(self._host_t)  # writes land in _host_t's memory
         self.host[:] = 0
         self._dev = [tvm.runtime.empty((capacity,), "int32", self.device) for _ in range(RING)]
         self._views: list = [{} for _ in range(RING)]
         self._copies: list = [{} for _ in range(RING)]
-        self._keep: list = [[] for _ in range(RING)]  # DLPack structs of each slot's views
 
     def next_slot(self, need: int) -> int:
         """The device slot for the next forward; grows every buffer first when ``need`` > capacity."""
@@ -141,9 +156,8 @@ class IndexBuffers:
             self._allocate(max(need, 2 * self.capacity))
             self.generation += 1
         self._turn = slot = (self._turn + 1) % RING
-        if len(self._views[slot]) >= _MAX_VIEWS:  # many distinct shapes: start over (closed forwards only)
+        if len(self._views[slot]) >= _MAX_VIEWS:  # many distinct shapes: start over (views stay valid)
             self._views[slot] = {}
-            self._keep[slot] = []
             self.generation += 1
         return slot
 
@@ -165,7 +179,7 @@ class IndexBuffers:
             import tvm
 
             assert offset % ALIGN == 0, "views start on 64-byte boundaries"
-            export = _Export(self._dev[slot], 4 * offset, shape, self._keep[slot])
+            export = _Export(self._dev[slot], 4 * offset, shape)
             t = views[key] = tvm.runtime.from_dlpack(export)
         return t
 

@@ -20,8 +20,9 @@ The copy kernels are not part of the cache's kernel set: they are compiled on fi
 
 Every function validates its arguments before touching anything and raises ``KeyError`` /
 ``ValueError`` / ``TypeError`` (or :class:`~tvmkv.OutOfPagesError`) naming the value and the fix;
-a failed call leaves the cache unchanged. This module uses the cache's internal bookkeeping helpers
-(``_get``, ``_alloc``, ``_release``, ``_ref``) on purpose: it is part of the runtime package.
+a failed call leaves the cache unchanged. Only the cache's public API is used: ``sequence_info`` /
+``sequence_pages`` to read sequences, ``cache.pool`` to allocate, hold and release pages and read
+ref counts, ``add_sequence_with_pages`` to hand imported pages to a sequence.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..errors import OutOfPagesError
 from ..tir.layout_shapes import LAYOUTS
 from ..tir.layout_shapes import foreign_shape as _foreign_shape
 from . import tensors
-from .cache import _as_int
+from .sequences import as_int, check_id
 
 ARRAY_KINDS = ("numpy", "torch", "tvm")
 
@@ -49,6 +50,7 @@ __all__ = [
     "foreign_shape",
     "gather_kv",
     "import_sequence",
+    "interop_kernels",
     "ksana_atb_views",
     "paged_view",
     "slot_mapping",
@@ -89,7 +91,7 @@ class AtbViews(NamedTuple):
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-_int = _as_int  # ints, not bools, with the argument named in the error
+_int = as_int  # ints, not bools, with the argument named in the error
 
 
 def _layer(cache, layer) -> int:
@@ -147,22 +149,29 @@ def _empty(cache, shape):
     return tvm.runtime.empty(tuple(int(s) for s in shape), cache.config.dtype, cache.device)
 
 
-def _kernels(cache):
+def interop_kernels(cache):
     """The interop kernel family for ``cache``'s configuration (compiled on first use, then cached)."""
     from ..build import load_kernels
 
-    lib = cache._kernels
+    lib = cache.kernels
     key = lib.key
     build_dir = lib.path.parent.parent if getattr(lib, "path", None) is not None else None
     return load_kernels(key.spec, arch=key.arch, build_dir=build_dir, family="interop")
 
 
+def _resident(cache, seq_id):
+    """:meth:`~tvmkv.PagedAttentionKVCache.sequence_info` of a sequence on the device (KeyError for an
+    unknown id, SequenceSwappedError for a swapped one)."""
+    cache.sequence_pages(seq_id)
+    return cache.sequence_info(seq_id)
+
+
 def _plain_sequence(cache, seq_id, what: str):
     """The sequence, checked to hold plain tokens ``[0, length)`` in slots ``[0, kv_len)``."""
-    seq = cache._get(seq_id)
-    if seq.tree_parent:
+    seq = _resident(cache, seq_id)
+    if seq.num_tree_nodes:
         raise ValueError(
-            f"sequence {seq_id} has {len(seq.tree_parent)} uncommitted token-tree nodes; "
+            f"sequence {seq_id} has {seq.num_tree_nodes} uncommitted token-tree nodes; "
             f"commit them (commit_accepted_token_tree_nodes) before {what}"
         )
     if seq.slid:
@@ -193,7 +202,7 @@ def block_tables(cache, seq_ids) -> PageTable:
         ``block_tables [B, max_pages]`` int32 (row ``b``: pages of ``seq_ids[b]`` in token order,
         padded with -1) and ``seq_lens [B]`` int32 (slots used, ``kv_len`` of docs/layout.md).
     """
-    seqs = [cache._get(s) for s in seq_ids]
+    seqs = [_resident(cache, s) for s in seq_ids]
     width = max([len(s.pages) for s in seqs], default=0)
     table = np.full((len(seqs), width), -1, np.int32)
     for b, seq in enumerate(seqs):
@@ -207,7 +216,7 @@ def slot_mapping(cache, seq_id, start: int = 0, end: int | None = None) -> np.nd
     For a sequence without a slid window or token tree, slot index ``j`` holds token ``j``.
     ``end`` defaults to the sequence's ``kv_len``; it may not go past its pages' capacity.
     """
-    seq = cache._get(seq_id)
+    seq = _resident(cache, seq_id)
     P = cache.config.page_size
     cap = len(seq.pages) * P
     end = seq.kv_len if end is None else _int(end, "end")
@@ -318,7 +327,7 @@ def gather_kv(cache, layer, block_tables, seq_lens, *, seq_offset=None, is_seq_l
     k_dev, v_dev = _empty(cache, shape), _empty(cache, shape)
     if N:
         slots = (ids * P + j % P).astype(np.int32)
-        cache._kernels["gather"](cache.pages[layer], _dev_ints(cache, slots), k_dev, v_dev)
+        cache.kernels["gather"](cache.pages[layer], _dev_ints(cache, slots), k_dev, v_dev)
     if out is None:
         return tensors.from_device(k_dev, kind), tensors.from_device(v_dev, kind)
     for o, dev in zip(out, (k_dev, v_dev)):
@@ -377,10 +386,11 @@ def store_kv(cache, layer, k, v, slot_mapping) -> None:
             f"slot {int(uniq[np.argmax(counts > 1)])} appears {int(counts.max())} times in slot_mapping; "
             "each slot may be written once per call"
         )
-    refs = cache._ref[live // P] if len(live) else np.zeros(0, np.int32)
+    ref = cache.pool.ref_counts()
+    refs = ref[live // P] if len(live) else np.zeros(0, np.int32)
     if (refs != 1).any():
         s = int(live[np.argmax(refs != 1)])
-        r = int(cache._ref[s // P])
+        r = int(ref[s // P])
         why = (
             "no sequence holds it (a free page); allocate pages through the cache (begin_forward, import_sequence)"
             if r == 0
@@ -392,7 +402,7 @@ def store_kv(cache, layer, k, v, slot_mapping) -> None:
         return
     k_dev = tensors.to_device(k, kind_k, cache.device)
     v_dev = tensors.to_device(v, kind_v, cache.device)
-    cache._kernels["append"](cache.pages[layer], k_dev, v_dev, _dev_ints(cache, slots))
+    cache.kernels["append"](cache.pages[layer], k_dev, v_dev, _dev_ints(cache, slots))
 
 
 # ---------------------------------------------------------------------------------------------- export / import
@@ -478,7 +488,7 @@ def export_sequence(cache, seq_id, layout: str, *, out=None, block_ids=None, kin
     cfg = cache.config
     _check_layout(layout)
     seq = _plain_sequence(cache, seq_id, "export_sequence")
-    cache._check_no_forward("export_sequence")
+    cache.require_no_forward("export_sequence")
     m, n = len(seq.pages), seq.kv_len
     if out is None:
         if kind not in ARRAY_KINDS:
@@ -506,7 +516,7 @@ def export_sequence(cache, seq_id, layout: str, *, out=None, block_ids=None, kin
     else:
         dst = tensors.to_device(out, out_kind, cache.device)
     if m:
-        kern = _kernels(cache)[f"export_{layout}"]
+        kern = interop_kernels(cache)[f"export_{layout}"]
         page_ids = _dev_ints(cache, np.asarray(seq.pages))
         extra = () if layout == "contiguous" else (_dev_ints(cache, blocks),)
         for layer in range(cfg.num_layers):
@@ -550,13 +560,18 @@ def import_sequence(cache, seq_id, data, layout: str, *, num_tokens=None, block_
     """
     cfg = cache.config
     _check_layout(layout)
-    cache._check_no_forward("import_sequence")
+    cache.require_no_forward("import_sequence")
+    seq_id = check_id(seq_id)
     new = seq_id not in cache.sequence_ids()
     if new:
-        seq_id = cache._check_new_id(seq_id, "seq_id")
+        if seq_id in cache.swapped_sequence_ids():
+            raise KeyError(
+                f"seq_id {seq_id} is already in the cache (swapped out); import into a new id, or "
+                f"remove_sequence({seq_id}) first"
+            )
     else:
-        seq = cache._get(seq_id)
-        if seq.kv_len or seq.pages or seq.window or seq.tree_parent:
+        seq = cache.sequence_info(seq_id)
+        if seq.kv_len or seq.pages or seq.window or seq.num_tree_nodes:
             raise ValueError(
                 f"sequence {seq_id} already holds {seq.length} tokens (or has a window); import into a new id or "
                 "an empty sequence (remove_sequence it first)"
@@ -584,14 +599,11 @@ def import_sequence(cache, seq_id, data, layout: str, *, num_tokens=None, block_
     m = -(-n // P)
     if layout != "contiguous":
         blocks = _block_ids(block_ids, m, nb, distinct=False)
-    if m > cache.num_available_pages():
+    if not cache.pool.ensure_free(m):  # the prefix cache may evict pages only it holds
         raise OutOfPagesError(m, cache.num_available_pages(), f"import of {n} tokens into sequence {seq_id}")
-    kern = _kernels(cache)[f"import_{layout}"] if m else None  # compile before allocating anything
-    # ---- validated
-    if new:
-        cache.add_sequence(seq_id)
-    seq = cache._get(seq_id)
-    pages = cache._alloc(m)
+    kern = interop_kernels(cache)[f"import_{layout}"] if m else None  # compile before allocating anything
+    # ---- validated: copy into fresh pages, then hand them to the sequence
+    pages = cache.pool.alloc(m)
     try:
         if m:
             src = tensors.to_device(data, kind, cache.device)
@@ -600,12 +612,12 @@ def import_sequence(cache, seq_id, data, layout: str, *, num_tokens=None, block_
             for layer in range(cfg.num_layers):
                 kern(cache.pages[layer], page_ids, src, *extra, layer)
     except BaseException:
-        cache._release(pages)
-        if new:
-            cache.remove_sequence(seq_id)
+        cache.pool.release(pages)
         raise
-    seq.pages.extend(pages)
-    seq.kv_len = n
+    if not new:
+        cache.remove_sequence(seq_id)  # empty, no window, no tree: re-added below over the pages
+    cache.add_sequence_with_pages(seq_id, pages, n)  # one more reference each ...
+    cache.pool.release(pages)  # ... replaces the allocation's
 
 
 # ---------------------------------------------------------------------------------------------- zero-copy views
@@ -619,7 +631,7 @@ def paged_view(cache, layer, seq_ids) -> PagedView:
     ``data`` change the cache. NHD and KsanaLLM layouts differ from ours: use :func:`export_sequence`.
     """
     layer = _layer(cache, layer)
-    seqs = [cache._get(s) for s in seq_ids]
+    seqs = [_resident(cache, s) for s in seq_ids]
     P = cache.config.page_size
     npages = np.array([len(s.pages) for s in seqs], np.int64)
     indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)

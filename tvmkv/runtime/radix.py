@@ -18,10 +18,10 @@ Reuse
     tokens are copied, not recomputed, and the tree's page stays intact.
 
 References
-    The tree takes one reference (``PagedAttentionKVCache._ref``) on each page it holds; a page is
-    *evictable* when the tree's reference is its only one. The cache asks the tree to evict (LRU
-    order of last use, leaves first) before it raises ``OutOfPagesError`` (``_make_room``), and its
-    ``check_integrity`` counts the tree's references.
+    The tree takes one reference (``cache.pool``, :class:`~tvmkv.runtime.pages.PagePool`) on each
+    page it holds; a page is *evictable* when the tree's reference is its only one. The pool asks the
+    tree to evict (LRU order of last use, leaves first) before an ``OutOfPagesError`` is raised
+    (``PagePool.ensure_free``), and the cache's ``check_integrity`` counts the tree's references.
 
 Limits
     Sequences with a sliding window and sequences with uncommitted token-tree nodes are not inserted
@@ -31,8 +31,9 @@ Limits
     shares. The tree cannot check that the tokens passed to ``insert`` are the ones whose K/V the
     sequence holds; that is the caller's contract (token ``i`` has its K/V at position ``i``).
 
-The module reads the cache's sequence records and page ref counts directly (it lives in the same
-package); it changes them only through ``add_sequence_with_pages``, ``_hold`` and ``_release``.
+The module uses the cache's public API only: ``sequence_info`` / ``sequence_pages`` to read a
+sequence, ``pool.ref_counts`` to read references, ``add_sequence_with_pages``, ``pool.hold`` and
+``pool.release`` to change them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import IntegrityError
-from .cache import _as_int
+from .sequences import as_int
 
 
 class _Node:
@@ -101,7 +102,7 @@ class RadixPrefixCache:
     """
 
     def __init__(self, cache):
-        if any(isinstance(h, RadixPrefixCache) for h in cache._holders):
+        if any(isinstance(h, RadixPrefixCache) for h in cache.pool.holders):
             raise ValueError("this cache already has a RadixPrefixCache; use that one")
         self.cache = cache
         self.page_size = cache.config.page_size
@@ -127,6 +128,10 @@ class RadixPrefixCache:
         """Pages the tree holds a reference on (some may be shared with running sequences)."""
         return self._num_pages
 
+    def edges(self) -> list:
+        """Every edge of the tree as ``(start, tokens, pages)`` tuples (read-only; root excluded)."""
+        return [(n.start, n.tokens, tuple(n.pages)) for n in self._nodes() if n is not self._root]
+
     def num_cached_tokens(self) -> int:
         return sum(len(node.tokens) for node in self._nodes())
 
@@ -138,12 +143,12 @@ class RadixPrefixCache:
         references of the ``without`` sequences dropped (they leave: remove or swap out) and one more
         reference on each ``pinned`` page (a new sequence shares it: :meth:`prefix_pages`). Read-only.
         """
-        ref = self.cache._ref
+        ref = self.cache.pool.ref_counts()
         if not without and not len(pinned):
             return sum(len(node.pages) for node in self._evictable_nodes())
         ref = ref.copy()
         for sid in without:
-            ref[self.cache._get(sid).pages] -= 1  # a sequence holds a page at most once
+            ref[self.cache.sequence_pages(sid)] -= 1  # a sequence holds a page at most once
         np.add.at(ref, np.asarray(pinned, np.int64), 1)
         free = {id(node) for node in self._evictable_nodes(ref)}
         pinned = set(np.asarray(pinned, np.int64).tolist())
@@ -175,7 +180,7 @@ class RadixPrefixCache:
         tokens = _tokens(token_ids, "token_ids")
         reused, pages = self.prefix_pages(tokens, max_reuse=len(tokens))
         full = reused // self.page_size
-        return self.cache._get(seq_id).pages[:full] == pages[:full]
+        return self.cache.sequence_pages(seq_id)[:full] == pages[:full]
 
     # ------------------------------------------------------------------ sequences
     def add_sequence_with_prefix(self, seq_id, token_ids, *, max_reuse=None) -> int:
@@ -226,8 +231,9 @@ class RadixPrefixCache:
         Raises KeyError, ValueError, ForwardStateError before changing anything.
         """
         cache, P = self.cache, self.page_size
-        seq = cache._get(seq_id)
-        cache._check_no_forward("insert")
+        seq_pages = cache.sequence_pages(seq_id)  # KeyError / SequenceSwappedError
+        seq = cache.sequence_info(seq_id)
+        cache.require_no_forward("insert")
         tokens = _tokens(token_ids, "token_ids")
         n = len(tokens)
         if seq.window:
@@ -235,9 +241,9 @@ class RadixPrefixCache:
                 f"sequence {seq_id} has a sliding window: its pages are not inserted into the prefix cache "
                 "(a window drops pages); remove it with remove_sequence instead"
             )
-        if seq.tree_parent:
+        if seq.num_tree_nodes:
             raise ValueError(
-                f"sequence {seq_id} has {len(seq.tree_parent)} uncommitted token-tree nodes; commit them "
+                f"sequence {seq_id} has {seq.num_tree_nodes} uncommitted token-tree nodes; commit them "
                 "(commit_accepted_token_tree_nodes) before inserting it into the prefix cache"
             )
         if n > seq.length:
@@ -254,7 +260,7 @@ class RadixPrefixCache:
         start = parent.end + common // P * P  # the new leaf starts at the last page boundary matched
         # a cached leaf that ends inside its last page and is a prefix of tokens is replaced by them
         replaced = child if child is not None and common == len(child.tokens) else None
-        pages = seq.pages[start // P : -(-n // P)]
+        pages = seq_pages[start // P : -(-n // P)]
         held = {p for node in self._nodes() for p in node.pages}
         if replaced is not None:
             held.discard(replaced.pages[-1])
@@ -273,7 +279,7 @@ class RadixPrefixCache:
         leaf = _Node(parent, tokens[start:n], list(pages), start)
         assert tokens[start : start + P] not in parent.children, "walk would have matched it"
         parent.children[leaf.tokens[:P]] = leaf
-        self.cache._hold(pages)
+        self.cache.pool.hold(pages)
         self._num_pages += len(pages)
         self._touch(path + [parent, leaf])
         self.stats.inserted_tokens += n - matched
@@ -287,11 +293,11 @@ class RadixPrefixCache:
 
     def reset(self) -> None:
         """Drop the whole tree (its references are released; pages no sequence holds become free)."""
-        self.cache._check_no_forward("reset")
+        self.cache.require_no_forward("reset")
         pages = [p for node in self._nodes() for p in node.pages]
         self._root = _Node(None, (), [], 0)
         self._num_pages = 0
-        self.cache._release(pages)
+        self.cache.pool.release(pages)
 
     # ------------------------------------------------------------------ page holder protocol
     def held_pages(self) -> list:
@@ -301,7 +307,7 @@ class RadixPrefixCache:
     def evict_pages(self, count: int) -> int:
         """Free at least ``count`` pages by evicting least recently used unreferenced leaves; evict
         nothing when fewer than ``count`` are evictable. Returns the pages freed."""
-        ref = self.cache._ref
+        ref = self.cache.pool.ref_counts()
         if count <= 0 or self.num_evictable_pages() < count:
             return 0
 
@@ -331,7 +337,7 @@ class RadixPrefixCache:
         """Raise IntegrityError unless the tree is well formed (page boundaries, keys, page counts,
         no page twice, every page referenced), then run the cache's ``check_integrity`` (which counts
         the tree's references)."""
-        P, ref = self.page_size, self.cache._ref
+        P, ref = self.page_size, self.cache.pool.ref_counts()
         problems, seen = [], set()
         for node in self._nodes():
             if node is self._root:
@@ -367,7 +373,7 @@ class RadixPrefixCache:
     def _evictable_nodes(self, ref=None) -> list:
         """Non-root nodes whose whole subtree holds only pages no sequence holds (by the ref counts
         ``ref``, default the cache's)."""
-        ref = self.cache._ref if ref is None else ref
+        ref = self.cache.pool.ref_counts() if ref is None else ref
         order = list(self._nodes())  # parents before children
         free = {}
         for node in reversed(order):
@@ -377,7 +383,7 @@ class RadixPrefixCache:
     def _match(self, tokens: tuple, max_reuse) -> tuple:
         """``(reused, nodes)``: the tokens a new sequence reuses (capped by ``max_reuse``, default
         ``len(tokens) - 1``) and the nodes of the walk whose pages it would share (a prefix of them)."""
-        limit = max(len(tokens) - 1, 0) if max_reuse is None else _as_int(max_reuse, "max_reuse")
+        limit = max(len(tokens) - 1, 0) if max_reuse is None else as_int(max_reuse, "max_reuse")
         if not 0 <= limit <= len(tokens):
             raise ValueError(f"max_reuse={limit} must be in [0, len(token_ids)={len(tokens)}]")
         path, child, common = self._walk(tokens)
@@ -425,7 +431,7 @@ class RadixPrefixCache:
         assert not node.children and node is not self._root
         del node.parent.children[node.tokens[: self.page_size]]
         self._num_pages -= len(node.pages)
-        self.cache._release(node.pages)
+        self.cache.pool.release(node.pages)
 
     def _touch(self, nodes) -> None:
         self._clock += 1

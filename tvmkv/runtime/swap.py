@@ -1,4 +1,4 @@
-"""Swap to host: move sequences' pages to host memory and back (a mixin of ``PagedAttentionKVCache``).
+"""Swap to host: move sequences' pages to host memory and back (an object the cache holds).
 
 ``swap_out(seq_ids)`` copies every page the sequences hold into one host buffer and frees their device
 pages; ``swap_in(seq_ids)`` allocates fresh device pages (any free ones) and copies the K/V back,
@@ -11,10 +11,10 @@ when the batch fits one chunk.
 
 Host memory: one buffer per ``swap_out`` call, rows in sequence order, shared by the sequences of that
 call. It is released once none of them is still swapped out (``remove_sequence`` of a swapped sequence
-or ``swap_in`` drops its reference); :meth:`HostSwap.swapped_host_bytes` reports what is held. The
+or ``swap_in`` drops its reference); :meth:`HostSwap.host_bytes` reports what is held. The
 largest released buffer is kept as a spare for the next ``swap_out`` that fits in it: writing into
 freshly allocated memory costs a page fault per 4 KiB (on the CPU a fresh buffer made swap-out 4x
-slower); :meth:`HostSwap.release_host_memory` frees the spare.
+slower); :meth:`HostSwap.release_spare` frees the spare.
 
 Shared (forked, ref-counted) pages: swapping a sequence out copies all its pages, shared ones included,
 and drops its references (pages other sequences still hold stay on the device). A page shared by
@@ -33,8 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ForwardStateError, OutOfPagesError, SequenceSwappedError
+from ..config import CacheConfig
+from ..errors import OutOfPagesError
 from . import tensors
+from .pages import PagePool
+from .sequences import SequenceTable, check_id
 
 DEFAULT_STAGING_BYTES = 256 << 20  # largest device staging buffer (one copy each); kept for later swaps
 
@@ -52,11 +55,10 @@ class _HostBlock:
 
 @dataclass(eq=False)
 class _Swapped:
-    """A swapped-out sequence: its bookkeeping (``seq.pages`` empty) and its pages' rows in ``block``."""
+    """Where a swapped-out sequence's pages are: rows ``rows`` of ``block`` (page k is row rows[k])."""
 
-    seq: object  # runtime.cache._Sequence
     block: _HostBlock
-    rows: np.ndarray  # int64 [ceil(kv_len / P)]: page k of the sequence is row rows[k] of block
+    rows: np.ndarray  # int64 [ceil(kv_len / P)]
 
 
 def _numpy_view(t, dtype: str) -> np.ndarray:
@@ -67,63 +69,55 @@ def _numpy_view(t, dtype: str) -> np.ndarray:
 
 
 class HostSwap:
-    """Swap methods of :class:`tvmkv.PagedAttentionKVCache`.
+    """Swap of one cache: host buffers of swapped sequences, the device staging buffer, the spare.
 
-    State (set by the cache's ``__init__``): ``self._swapped`` (seq id -> :class:`_Swapped`, in swap
-    order), ``self._staging_buf`` (the device staging buffer, allocated by the first swap) and
-    ``self._host_spare`` (a released host buffer kept for reuse, or None).
+    The cache facade checks the forward state and calls :meth:`swap_out` / :meth:`swap_in`; these
+    validate their ids against the sequence table, then move pages through the pool and the table's
+    public methods. ``page_arrays`` is the cache's list of per-layer page pools (device tensors).
     """
 
-    # ------------------------------------------------------------------ public
-    def swap_out(self, seq_ids, *, max_staging_bytes=DEFAULT_STAGING_BYTES) -> None:
-        """Move the K/V of ``seq_ids`` to host memory and free their device pages.
+    def __init__(self, config: CacheConfig, device, pool: PagePool, table: SequenceTable, kernels, page_arrays):
+        self.config, self.device = config, device
+        self.pool, self.table, self.kernels, self.page_arrays = pool, table, kernels, page_arrays
+        self.records: dict = {}  # seq id -> _Swapped, in swap order (mirrors table.swapped)
+        self._staging_buf = None  # device staging buffer (allocated by the first swap, kept)
+        self._host_spare = None  # a released host buffer, kept for reuse
 
-        Parameters
-        ----------
-        seq_ids : list of int
-            Sequences on the device (distinct). An empty list does nothing.
-        max_staging_bytes : int
-            Largest device staging buffer; a larger batch is copied in several chunks.
-
-        Raises before changing anything: KeyError (unknown id), SequenceSwappedError (already
-        swapped out), ValueError (duplicate id), ForwardStateError (a forward is open).
-        """
-        seq_ids = self._swap_ids(seq_ids, "swap_out")
-        seqs = [self._get(s) for s in seq_ids]  # raises for unknown or swapped ids
-        rows_of, order = {}, []  # device page -> row of the host buffer (a shared page is stored once)
+    # ------------------------------------------------------------------ moves
+    def swap_out(self, seq_ids, max_staging_bytes: int) -> None:
+        """Move the K/V of ``seq_ids`` to host memory and free their device pages (see the cache's
+        ``swap_out``). Raises before changing anything."""
+        seq_ids = _distinct_ids(seq_ids, "swap_out")
+        seqs = [self.table.get(s) for s in seq_ids]  # raises for unknown or swapped ids
+        rows_of: dict = {}  # device page -> row of the host buffer (a shared page is stored once)
+        order: list = []
         seq_rows = []
         for seq in seqs:
-            for p in seq.pages:
+            pages = seq.pages.tolist()
+            for p in pages:
                 if p not in rows_of:
                     rows_of[p] = len(order)
                     order.append(p)
-            seq_rows.append(np.fromiter((rows_of[p] for p in seq.pages), np.int64, len(seq.pages)))
+            seq_rows.append(np.fromiter((rows_of[p] for p in pages), np.int64, len(pages)))
+        self._chunks(len(order), max_staging_bytes)  # validates max_staging_bytes
         block = self._host_block(len(order))
         if order:
             self._pages_to_host(order, block.tensor, max_staging_bytes)
         # ---- copied: from here on nothing raises
-        for sid, seq, rows in zip(seq_ids, seqs, seq_rows):
-            self._release(seq.pages)
-            seq.pages = []
-            seq.mirror.rebuild(seq.pages, seq.pos_offset)
-            del self._seqs[sid]
-            self._swapped[sid] = _Swapped(seq, block, rows)
+        for sid, rows in zip(seq_ids, seq_rows):
+            self.table.swap_out(sid)
+            self.records[sid] = _Swapped(block, rows)
             block.users += 1
 
-    def swap_in(self, seq_ids, *, max_staging_bytes=DEFAULT_STAGING_BYTES) -> None:
-        """Bring swapped-out ``seq_ids`` back into free device pages with identical K/V.
-
-        Pages shared by several of these sequences when they were swapped out together are shared
-        again. Raises before changing anything: KeyError (unknown id), ValueError (a sequence that is
-        not swapped out, duplicate id), ForwardStateError (a forward is open), OutOfPagesError
-        (``needed`` / ``available`` pages).
-        """
-        seq_ids = self._swap_ids(seq_ids, "swap_in")
+    def swap_in(self, seq_ids, max_staging_bytes: int) -> None:
+        """Bring swapped-out ``seq_ids`` back into free device pages with identical K/V (see the
+        cache's ``swap_in``). Raises before changing anything."""
+        seq_ids = _distinct_ids(seq_ids, "swap_in")
         for s in seq_ids:
-            if s not in self._swapped:
-                self._get(s)  # KeyError for an unknown id
+            if s not in self.records:
+                self.table.get(s)  # KeyError for an unknown id
                 raise ValueError(f"sequence {s} is on the device, not swapped out; swap_in only swapped sequences")
-        recs = [self._swapped[s] for s in seq_ids]
+        recs = [self.records[s] for s in seq_ids]
         keys, index_of, users = [], {}, []  # distinct (block, row) -> new page index, sharers
         for rec in recs:
             for r in rec.rows.tolist():
@@ -134,113 +128,84 @@ class HostSwap:
                     users.append(0)
                 users[index_of[key]] += 1
         needed = len(keys)
-        if not self._make_room(needed):  # page holders (prefix cache) may evict unreferenced pages first
-            raise OutOfPagesError(needed, self.num_available_pages(), f"swap_in of sequences {seq_ids}")
+        self._chunks(needed, max_staging_bytes)  # validates max_staging_bytes
+        if not self.pool.ensure_free(needed):  # page holders (prefix cache) may evict first
+            raise OutOfPagesError(needed, self.pool.num_free, f"swap_in of sequences {seq_ids}")
         src, lo = self._host_source(keys)  # rows [lo, lo + needed) of the tensor src, in key order
         # ---- validated: allocate and copy
-        pages = self._alloc(needed)
+        pages = self.pool.alloc(needed)
         if needed:
             try:
                 self._pages_from_host(pages, src, lo, max_staging_bytes)
             except BaseException:
-                self._release(pages)
+                self.pool.release(pages)
                 raise
-            self._ref[pages] = users
+            extra = [p for p, n in zip(pages, users) for _ in range(n - 1)]
+            if extra:
+                self.pool.hold(extra)
         for sid, rec in zip(seq_ids, recs):
-            seq = rec.seq
-            seq.pages = [pages[index_of[(id(rec.block), r)]] for r in rec.rows.tolist()]
-            seq.mirror.rebuild(seq.pages, seq.pos_offset)
-            self._drop_swapped(sid)
-            self._seqs[sid] = seq
+            self.table.swap_in(sid, [pages[index_of[(id(rec.block), r)]] for r in rec.rows.tolist()])
+            self.drop(sid)
 
-    def is_swapped(self, seq_id) -> bool:
-        """Whether ``seq_id`` is swapped out (KeyError if the cache does not know it)."""
-        if self._swapped_id(seq_id):
-            return True
-        self._get(seq_id)
-        return False
+    def drop(self, seq_id: int) -> None:
+        """Forget a swapped record (swap_in or remove); a buffer no record uses may become the spare."""
+        block = self.records.pop(seq_id).block
+        block.users -= 1
+        if (
+            block.users == 0
+            and block.rows
+            and (self._host_spare is None or self._host_spare.shape[0] < block.base.shape[0])
+        ):
+            self._host_spare = block.base
 
-    def swapped_sequence_ids(self) -> list:
-        """Ids of the swapped-out sequences, oldest swap first (``sequence_ids()`` lists the others)."""
-        return list(self._swapped)
+    def clear(self) -> None:
+        self.records.clear()
 
-    def num_swapped_pages(self, seq_ids=None) -> int:
+    # ------------------------------------------------------------------ queries
+    def num_pages(self, seq_ids=None) -> int:
         """Device pages ``swap_in(seq_ids)`` would allocate (default: every swapped sequence)."""
-        recs = self._swapped.values() if seq_ids is None else [self._swapped_record(s) for s in seq_ids]
+        if seq_ids is None:
+            recs = list(self.records.values())
+        else:
+            recs = []
+            for s in seq_ids:
+                s = check_id(s, "seq_ids[i]")
+                if s not in self.records:
+                    self.table.get(s)
+                    raise ValueError(f"sequence {s} is on the device, not swapped out")
+                recs.append(self.records[s])
         return len({(id(rec.block), r) for rec in recs for r in rec.rows.tolist()})
 
-    def swapped_host_bytes(self) -> int:
+    def host_bytes(self) -> int:
         """Bytes of host memory held for swapped-out sequences (whole buffers of ``swap_out`` calls)."""
-        blocks = {id(rec.block): rec.block for rec in self._swapped.values()}
+        blocks = {id(rec.block): rec.block for rec in self.records.values()}
         return sum(b.base.shape[0] for b in blocks.values()) * self._row_bytes()
 
-    def release_host_memory(self) -> None:
+    def spare_bytes(self) -> int:
+        """Bytes of the spare host buffer kept for the next ``swap_out`` (0 when none)."""
+        return 0 if self._host_spare is None else self._host_spare.shape[0] * self._row_bytes()
+
+    def release_spare(self) -> None:
         """Free the spare host buffer kept for reuse (buffers of swapped sequences stay)."""
         self._host_spare = None
 
-    def num_pages_needed(self, seq_id, num_tokens) -> int:
-        """Free pages a forward appending ``num_tokens`` to ``seq_id`` takes (new pages plus the
-        copy-on-write of a shared partial last page); for a swapped sequence, its ``swap_in`` plus that."""
-        P = self.config.page_size
-        if self._swapped_id(seq_id):
-            return -(-(self._swapped[seq_id].seq.kv_len + num_tokens) // P)
-        seq = self._get(seq_id)
-        grow = -(-(seq.kv_len + num_tokens) // P) - len(seq.pages)
-        cow = bool(seq.kv_len % P) and self._ref[seq.pages[-1]] > 1
-        return grow + cow
-
-    def num_pages_released_by(self, seq_ids) -> int:
-        """Pages that would return to the free list if every sequence of ``seq_ids`` left the device
-        (``remove_sequence`` or ``swap_out``): pages no other sequence holds."""
-        held = {}
-        for s in seq_ids:
-            for p in self._get(s).pages:
-                held[p] = held.get(p, 0) + 1
-        return sum(1 for p, n in held.items() if self._ref[p] == n)
-
-    # ------------------------------------------------------------------ hooks used by the cache
-    def _swapped_id(self, seq_id) -> bool:
-        try:
-            return seq_id in self._swapped
-        except TypeError:  # unhashable: not an id at all
-            return False
-
-    def _swapped_record(self, seq_id) -> _Swapped:
-        if self._swapped_id(seq_id):
-            return self._swapped[seq_id]
-        self._get(seq_id)
-        raise ValueError(f"sequence {seq_id} is on the device, not swapped out")
-
-    def _raise_if_swapped(self, seq_id) -> None:
-        """Called where a sequence must be on the device: the error says how to get it back."""
-        if self._swapped_id(seq_id):
-            raise SequenceSwappedError(seq_id)
-
-    def _remove_swapped(self, seq_id) -> bool:
-        """``remove_sequence`` of a swapped sequence: drop it (and its host rows). False if not swapped."""
-        if not self._swapped_id(seq_id):
-            return False
-        self._check_no_forward("remove_sequence")
-        self._drop_swapped(seq_id)
-        return True
-
-    def _check_swapped(self) -> list:
-        """Problems of the swapped-out sequences, for ``check_integrity``."""
+    def check(self) -> list:
+        """Problems of the swapped records, for ``check_integrity``."""
         P, problems = self.config.page_size, []
-        both = set(self._swapped) & set(self._seqs)
-        if both:
-            problems.append(f"sequences {sorted(both)} are both on the device and swapped out")
-        users, blocks = {}, {}
-        for rec in self._swapped.values():
+        if list(self.records) != list(self.table.swapped):
+            problems.append("swap records and the table's swapped sequences differ")
+        users: dict = {}
+        blocks: dict = {}
+        for rec in self.records.values():
             users[id(rec.block)] = users.get(id(rec.block), 0) + 1
             blocks[id(rec.block)] = rec.block
         for key, block in blocks.items():
             if block.users != users[key]:
                 problems.append(f"a host buffer counts {block.users} users but {users[key]} sequences use it")
-        for sid, rec in self._swapped.items():
-            seq = rec.seq
-            if seq.pages:
-                problems.append(f"swapped sequence {sid} still holds device pages")
+        for sid, rec in self.records.items():
+            seq = self.table.swapped.get(sid)
+            if seq is None:
+                continue
             if len(rec.rows) != -(-seq.kv_len // P):
                 problems.append(f"swapped sequence {sid}: {len(rec.rows)} host rows for {seq.kv_len} slots")
             if len(rec.rows) and not (0 <= rec.rows.min() and rec.rows.max() < rec.block.rows):
@@ -248,17 +213,6 @@ class HostSwap:
         return problems
 
     # ------------------------------------------------------------------ internals
-    def _swap_ids(self, seq_ids, what: str) -> list:
-        from .cache import _as_int
-
-        seq_ids = [_as_int(s, "seq_ids[i]") for s in seq_ids]
-        if len(set(seq_ids)) != len(seq_ids):
-            dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
-            raise ValueError(f"seq_id {dup} appears twice in {what}; pass each sequence once")
-        if self._fwd is not None:
-            raise ForwardStateError(f"{what} is not allowed while a forward is open; call end_forward first")
-        return seq_ids
-
     def _host_block(self, m: int) -> _HostBlock:
         """A host buffer of ``m`` rows: the spare when it is large enough, else a new one."""
         spare = self._host_spare
@@ -268,17 +222,6 @@ class HostSwap:
             return _HostBlock(view, spare, m)
         t = self._empty_rows(m, self._host_device())
         return _HostBlock(t, t, m)
-
-    def _drop_swapped(self, seq_id) -> None:
-        """Forget a swapped record; a buffer no record uses any more may become the spare."""
-        block = self._swapped.pop(seq_id).block
-        block.users -= 1
-        if (
-            block.users == 0
-            and block.rows
-            and (self._host_spare is None or self._host_spare.shape[0] < block.base.shape[0])
-        ):
-            self._host_spare = block.base
 
     def _sync_device(self) -> None:
         if self.config.target_kind != "llvm":
@@ -318,7 +261,7 @@ class HostSwap:
         return buf if buf.shape[0] == rows else buf._create_view((rows, *buf.shape[1:]))
 
     def _kernel(self, name: str):
-        lib = self._kernels
+        lib = self.kernels
         if name not in lib:
             raise RuntimeError(
                 f"the kernel library {getattr(lib, 'path', '')} has no {name!r} (built before swap support); "
@@ -339,7 +282,7 @@ class HostSwap:
             ids_dev = tvm.runtime.tensor(ids[a:b], self.device)
             staging = host if direct else self._staging(b - a)
             for layer in range(self.config.num_layers):
-                gather(self.pages[layer], ids_dev, staging, layer)
+                gather(self.page_arrays[layer], ids_dev, staging, layer)
             if not direct:
                 self._sync_device()  # the kernels may run on another stream than the copy (torch's)
                 staging.copyto(host._create_view(tuple(staging.shape), relative_byte_offset=a * self._row_bytes()))
@@ -364,7 +307,7 @@ class HostSwap:
                 src = host._create_view(tuple(staging.shape), relative_byte_offset=(lo + a) * self._row_bytes())
                 src.copyto(staging)
             for layer in range(self.config.num_layers):
-                scatter(self.pages[layer], ids_dev, staging, layer)
+                scatter(self.page_arrays[layer], ids_dev, staging, layer)
 
     def _host_source(self, keys: list) -> tuple:
         """``(tensor, lo)`` whose rows ``[lo, lo + len(keys))`` are the host rows ``keys`` in order: a
@@ -388,3 +331,11 @@ class HostSwap:
             dst[at:end] = views[id(block)][r : r + (end - at)]
             at = end
         return out, 0
+
+
+def _distinct_ids(seq_ids, what: str) -> list:
+    seq_ids = [check_id(s, "seq_ids[i]") for s in seq_ids]
+    if len(set(seq_ids)) != len(seq_ids):
+        dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
+        raise ValueError(f"seq_id {dup} appears twice in {what}; pass each sequence once")
+    return seq_ids

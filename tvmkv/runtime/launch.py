@@ -1,0 +1,206 @@
+"""What one layer of a forward launches, bound once per step.
+
+:class:`Launcher` owns the kernel library's per-step workspace (q/k/v/lse scratch sized for
+``prefill_chunk_size`` rows, the split decode's partial states) and turns a planned step into a
+:class:`Forward`: the device views of its uploaded index arrays and every kernel argument except the
+layer's pages, qkv, the output and ``sm_scale``. :func:`run_layer` then launches a layer with O(1)
+Python work: split/rotate, append, attention (and the merge of a split decode's chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import CacheConfig
+from ..tir.decode_plan import split_granule
+from .decode_split import NO_SPLIT, DecodeSplit, plan_split
+from .index_buffer import IndexBuffers
+from .plan import PackedLayout
+
+_MAX_SCRATCH_VIEWS = 256  # cached scratch views (one set per distinct token count) before clearing
+
+
+@dataclass
+class Forward:
+    """One step's bound kernel calls (``run_layer``) and the device views they read."""
+
+    seq_ids: list
+    lengths: list
+    total: int
+    kernel: str  # paged_decode | paged_prefill_causal | paged_prefill_tree | ragged_prefill_causal
+    slides: list  # Sequence records whose window slides at end_forward
+    dev: dict  # name -> device tensor (a view of one slot of the packed index buffer)
+    scratch: dict  # q, k, v, lse device buffers (views of buffers allocated once)
+    split: tuple = ()  # split_rope's arguments after qkv
+    append: tuple = ()  # append's arguments after pages
+    attn_head: tuple = ()  # attention arguments before pages (all before o when not paged)
+    attn_tail: tuple = ()  # attention arguments after pages, before o
+    attn_end: tuple = ()  # lse (after o, before sm_scale); rope (after sm_scale)
+    paged: bool = True
+    kernels: tuple = ()  # (split_rope, append, attention) functions of the library
+    decode_split: DecodeSplit = NO_SPLIT  # paged_decode only: how the step cuts its sequences
+    merge: object = None  # merge_splits when decode_split splits, else None
+    parts: tuple = ()  # (o_part, lse_part) views the split decode writes and merge_splits reads
+    qkv_shape: tuple = ()  # [total, H_qo + 2 H_kv, D] expected of qkv
+    o_shape: tuple = ()  # [total, H_qo, D] expected of out
+    slot: int = 0  # device slot of the index buffer ring the views belong to
+
+
+@dataclass(frozen=True)
+class ForwardInfo:
+    """What the open forward runs (``PagedAttentionKVCache.debug_forward``), for tests and tools."""
+
+    kernel: str  # the attention kernel (names of tvmkv.tir.kernel_set)
+    num_splits: int  # chunks of a split decode (1: not split)
+    repeated: bool  # planned by advancing the previous decode step's plan in place
+    slot: int  # device slot of the index buffer ring
+    arrays: dict  # name -> NumPy copy of the uploaded index array (docs/layout.md)
+
+
+def device_views(ib: IndexBuffers, slot: int, layout: PackedLayout) -> dict:
+    """Device views of every packed array in ``slot`` (cached per slot and shape by ``ib``)."""
+    dev = {name: ib.view(slot, off, shape) for name, (off, shape) in layout.arrays.items()}
+    dev["page_indices"] = ib.tail(slot, layout.page_indices_at)  # longer than nnz: read via page_indptr
+    return dev
+
+
+class Launcher:
+    """Binds planned steps to the kernels of one cache configuration (see the module docstring)."""
+
+    def __init__(self, config: CacheConfig, device, kernels, num_sms: int):
+        import tvm
+
+        self.config, self.device, self.kernels, self.num_sms = config, device, kernels, num_sms
+        self.granule = split_granule(config.kernel_spec) if "paged_decode_split" in kernels else None
+        if self.granule is None and (config.decode_splits or 1) > 1:
+            raise ValueError(
+                f"decode_splits={config.decode_splits}: this configuration has no split decode kernel (head_dim "
+                f"{config.head_dim} {config.dtype} is outside the fast cuda decode layout); pass decode_splits=None "
+                "or 1"
+            )
+        cfg, n, empty = config, config.prefill_chunk_size, tvm.runtime.empty
+        self._scratch_bufs = dict(
+            q=empty((n, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, device),
+            k=empty((n, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, device),
+            v=empty((n, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, device),
+            lse=empty((n, cfg.num_qo_heads), "float32", device),
+        )
+        self._scratch_views: dict = {}
+        self._part_bufs: tuple | None = None
+
+    def decode_split(self, batch: int, max_keys: int) -> DecodeSplit:
+        """How a decode step of ``batch`` sequences, the longest of ``max_keys`` keys, is cut."""
+        if self.granule is None:
+            return NO_SPLIT
+        blocks, tile = self.granule
+        return plan_split(
+            batch,
+            max_keys,
+            blocks_per_seq=blocks,
+            tile_keys=tile,
+            num_sms=self.num_sms,
+            max_splits=self.config.decode_splits,
+        )
+
+    def scratch(self, total: int) -> dict:
+        """Views ``[total, ...]`` of the q/k/v/lse scratch buffers allocated once for
+        ``prefill_chunk_size`` rows (kernels on one stream run in order, so forwards may share them)."""
+        views = self._scratch_views.get(total)
+        if views is None:
+            if len(self._scratch_views) > _MAX_SCRATCH_VIEWS:
+                self._scratch_views.clear()  # _create_view views own a reference to their buffer
+            views = self._scratch_views[total] = {
+                name: buf._create_view((total, *buf.shape[1:])) for name, buf in self._scratch_bufs.items()
+            }
+        return views
+
+    def _split_parts(self, split: DecodeSplit, batch: int) -> tuple:
+        """``(o_part [S, B, H_qo, D], lse_part [S, B, H_qo])`` float32 views of buffers allocated on
+        first use and grown when a split needs more rows (forwards bound before keep their views)."""
+        import tvm
+
+        cfg = self.config
+        rows = split.num_splits * batch
+        if self._part_bufs is None or self._part_bufs[1].shape[0] < rows:
+            rows_cap = max(rows, 2 * self._part_bufs[1].shape[0] if self._part_bufs else 0)
+            self._part_bufs = (
+                tvm.runtime.empty((rows_cap, cfg.num_qo_heads, cfg.head_dim), "float32", self.device),
+                tvm.runtime.empty((rows_cap, cfg.num_qo_heads), "float32", self.device),
+            )
+        o_buf, lse_buf = self._part_bufs
+        return (
+            o_buf._create_view((split.num_splits, batch, cfg.num_qo_heads, cfg.head_dim)),
+            lse_buf._create_view((split.num_splits, batch, cfg.num_qo_heads)),
+        )
+
+    def bind(self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT) -> Forward:
+        """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
+        cfg, d, lib = self.config, dev, self.kernels
+        s = self.scratch(total)
+        rope = (cfg.rope_scale, cfg.rope_theta)
+        fwd = Forward(
+            seq_ids=seq_ids,
+            lengths=lengths,
+            total=total,
+            kernel=kernel,
+            slides=slides,
+            dev=dev,
+            scratch=s,
+            split=(d["q_pos"], s["q"], s["k"], s["v"], *rope),
+            append=(s["k"], s["v"], d["slots"]),
+            attn_end=(s["lse"], *rope),
+            kernels=(lib["split_rope"], lib["append"], lib[kernel]),
+            qkv_shape=(total, cfg.qkv_heads, cfg.head_dim),
+            o_shape=(total, cfg.num_qo_heads, cfg.head_dim),
+            slot=slot,
+        )
+        if kernel == "paged_decode":
+            fwd.attn_head = (s["q"], d["q_pos"])
+            fwd.attn_tail = (d["page_indptr"], d["page_indices"], d["last_page_len"], d["kv_window"])
+            if decode_split.num_splits > 1:
+                fwd.decode_split = decode_split
+                fwd.kernels = (*fwd.kernels[:2], lib["paged_decode_split"])
+                fwd.merge = lib["merge_splits"]
+                fwd.parts = self._split_parts(decode_split, total)
+        elif kernel == "ragged_prefill_causal":
+            fwd.paged = False
+            fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])
+        else:
+            fwd.attn_head = (s["q"], d["q_indptr"], d["q_pos"])
+            fwd.attn_tail = (
+                d["page_indptr"],
+                d["page_indices"],
+                d["last_page_len"],
+                d["kv_window"],
+                d["q_tree"],
+                d["kv_tree_indptr"],
+                d["kv_tree"],
+                d["kv_tree_start"],
+            )
+        return fwd
+
+
+def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float) -> None:
+    """Launch one layer's kernels with the arguments :meth:`Launcher.bind` prepared (O(1) Python)."""
+    split_rope, append, attention = fwd.kernels
+    split_rope(qkv, *fwd.split)
+    append(pages, *fwd.append)
+    lse, rope_scale, rope_theta = fwd.attn_end
+    if fwd.merge is not None:  # split decode: a partial state per chunk, then their merge
+        o_part, lse_part = fwd.parts
+        attention(
+            *fwd.attn_head,
+            pages,
+            *fwd.attn_tail,
+            o_part,
+            lse_part,
+            sm_scale,
+            rope_scale,
+            rope_theta,
+            fwd.decode_split.kv_chunk,
+        )
+        fwd.merge(o_part, lse_part, o, lse)
+    elif fwd.paged:
+        attention(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
+    else:
+        attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)

@@ -1,0 +1,332 @@
+"""The sequence table: each sequence's page list, length, sliding window and token-tree state.
+
+Plain Python bookkeeping over a :class:`~tvmkv.runtime.pages.PagePool` (no device code). Slots are
+indices within a sequence: slot ``j`` lives in page ``pages[j // P]`` at offset ``j % P``
+(docs/layout.md, "Pages"). A sequence's page list is stored once, as an int32 NumPy array that the
+step planner concatenates directly; it changes only through :class:`Sequence`'s methods, so there is
+no second copy to go stale.
+
+The table validates nothing the caller passes except ids (:func:`check_id`, the one id rule); the
+cache facade validates a whole call first and then mutates through the methods here, which cannot
+fail for reasons the caller controls.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import SequenceSwappedError
+from .pages import PagePool
+
+
+def as_int(value, name: str) -> int:
+    """``value`` as a Python int (ints and NumPy integers; not bool, not float): TypeError names it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} must be an int") from None
+
+
+def check_id(seq_id, name: str = "seq_id") -> int:
+    """The one id rule of every method: a sequence id is an int (not a bool or a float)."""
+    return seq_id if type(seq_id) is int else as_int(seq_id, name)
+
+
+@dataclass
+class Sequence:
+    """One sequence: pages, slots used and window / token-tree state.
+
+    Window fields (docs/layout.md, "Sliding windows"): slots ``[0, sink_end)`` are the attention sink,
+    ``[sink_end, window_start)`` slid out; the logical position of slot ``j >= sink_end`` is
+    ``j + pos_offset``. Tree fields: the last ``len(tree_parent)`` slots are uncommitted token-tree
+    nodes (parent index among them or -1, depth).
+    """
+
+    kv_len: int = 0  # slots used
+    sink_end: int = 0
+    window_start: int = 0
+    pos_offset: int = 0
+    window: int = 0  # sliding window size (0 = none)
+    sink: int = 0
+    tree_parent: list = field(default_factory=list)
+    tree_depth: list = field(default_factory=list)
+    _buf: np.ndarray = field(default_factory=lambda: np.zeros(16, np.int32), repr=False)
+    _n: int = 0
+    pages: np.ndarray = field(init=False, repr=False)  # int32 view _buf[:_n]; change it only by methods
+    last_page: int = field(init=False, default=-1)
+
+    def __post_init__(self):
+        self._set(self._n)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_pages(self) -> int:
+        return self._n
+
+    @property
+    def tree_start(self) -> int:
+        """First slot of the uncommitted token-tree nodes."""
+        return self.kv_len - len(self.tree_parent)
+
+    @property
+    def slid(self) -> bool:
+        return self.window_start > self.sink_end or self.pos_offset > 0
+
+    def position(self, slot: int) -> int:
+        return slot if slot < self.sink_end else slot + self.pos_offset
+
+    @property
+    def committed_length(self) -> int:
+        """Logical length of the committed tokens (slid-out tokens count)."""
+        return self.position(self.tree_start)
+
+    @property
+    def length(self) -> int:
+        return self.committed_length + len(self.tree_parent)
+
+    @property
+    def poppable(self) -> int:
+        """Most tokens ``pop_n`` may drop: all of them, or, once a window slid, those after its start."""
+        return self.kv_len - self.window_start if self.slid else self.length
+
+    # ------------------------------------------------------------------ page list (the only writers)
+    def _set(self, n: int) -> None:
+        self._n, self.pages = n, self._buf[:n]
+        self.last_page = int(self._buf[n - 1]) if n else -1
+
+    def set_pages(self, pages) -> None:
+        pages = np.asarray(pages, np.int32)
+        if len(pages) > len(self._buf):
+            self._buf = np.zeros(max(16, 2 * len(pages)), np.int32)
+        self._buf[: len(pages)] = pages
+        self._set(len(pages))
+
+    def append_pages(self, pages) -> None:
+        n = self._n + len(pages)
+        if n > len(self._buf):
+            buf = np.zeros(2 * n, np.int32)
+            buf[: self._n] = self.pages
+            self._buf = buf
+        self._buf[self._n : n] = pages
+        self._set(n)
+
+    def replace_last_page(self, page: int) -> None:
+        self._buf[self._n - 1] = page
+        self.last_page = page
+
+    def truncate_pages(self, keep: int) -> list:
+        """Keep the first ``keep`` pages; return the dropped ones."""
+        dropped = self.pages[keep:].tolist()
+        self._set(min(keep, self._n))
+        return dropped
+
+    def cut_pages(self, first: int, last: int) -> list:
+        """Remove pages ``[first, last)`` (a slid-out window); return them."""
+        dropped = self.pages[first:last].tolist()
+        rest = self._buf[last : self._n].copy()
+        self._buf[first : first + len(rest)] = rest
+        self._set(self._n - len(dropped))
+        return dropped
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """A read-only snapshot of one sequence (``PagedAttentionKVCache.sequence_info``)."""
+
+    length: int  # logical length: tokens appended and not popped, slid-out tokens included
+    kv_len: int  # slots used in ``pages`` (what the pages hold)
+    pages: tuple  # page ids in slot order
+    window: int  # sliding window size, 0 for none
+    sink: int  # attention sink of the window
+    slid: bool  # whether the window has dropped tokens (slots are no longer positions)
+    num_tree_nodes: int  # uncommitted token-tree nodes at the end
+    poppable: int  # most tokens pop_n may drop now (fewer than length once a window slid)
+
+
+class SequenceTable:
+    """Sequences by id, on the device (``resident``) or swapped out to host memory (``swapped``).
+
+    Every page a resident sequence lists holds one reference of the pool for it; a swapped sequence
+    lists no pages. ``version`` changes with every change of a page list, length or window, so the
+    planner's repeat-decode step (``plan.RepeatDecode``) knows when its plan went stale.
+    """
+
+    def __init__(self, pool: PagePool, page_size: int):
+        self.pool = pool
+        self.page_size = page_size
+        self.resident: dict = {}
+        self.swapped: dict = {}  # seq id -> Sequence (no pages), in swap order
+        self.version = 0
+
+    # ------------------------------------------------------------------ lookups (ids checked)
+    def get(self, seq_id) -> Sequence:
+        """The resident sequence ``seq_id``: KeyError (unknown), SequenceSwappedError, TypeError."""
+        seq = self.resident.get(seq_id) if type(seq_id) is int else None
+        if seq is None:
+            seq_id = check_id(seq_id)
+            seq = self.resident.get(seq_id)
+            if seq is None:
+                if seq_id in self.swapped:
+                    raise SequenceSwappedError(seq_id)
+                raise KeyError(f"sequence {seq_id!r} is not in the cache; add it with add_sequence first")
+        return seq
+
+    def knows(self, seq_id) -> bool:
+        seq_id = check_id(seq_id)
+        return seq_id in self.resident or seq_id in self.swapped
+
+    def is_swapped(self, seq_id) -> bool:
+        """Whether ``seq_id`` is swapped out (KeyError when the table does not know it)."""
+        seq_id = check_id(seq_id)
+        if seq_id in self.swapped:
+            return True
+        self.get(seq_id)
+        return False
+
+    def check_new(self, seq_id, name: str = "seq_id") -> int:
+        seq_id = check_id(seq_id, name)
+        if seq_id in self.resident or seq_id in self.swapped:
+            raise KeyError(f"{name} {seq_id} is already in the cache; remove it first or pick another id")
+        return seq_id
+
+    def info(self, seq_id) -> SequenceInfo:
+        seq_id = check_id(seq_id)
+        seq = self.swapped[seq_id] if seq_id in self.swapped else self.get(seq_id)
+        return SequenceInfo(
+            seq.length,
+            seq.kv_len,
+            tuple(seq.pages.tolist()),
+            seq.window,
+            seq.sink,
+            seq.slid,
+            len(seq.tree_parent),
+            seq.poppable,
+        )
+
+    # ------------------------------------------------------------------ changes (validated by the caller)
+    def add(self, seq_id: int, pages=(), length: int = 0) -> Sequence:
+        """A new resident sequence over ``pages`` (the caller holds one reference on each for it)."""
+        seq = self.resident[seq_id] = Sequence()
+        seq.set_pages(list(pages))
+        seq.kv_len = length
+        self.version += 1
+        return seq
+
+    def remove(self, seq_id: int) -> None:
+        """Remove a resident sequence (its references are released) or a swapped one."""
+        if seq_id in self.swapped:
+            del self.swapped[seq_id]
+        else:
+            self.pool.release(self.resident.pop(seq_id).pages)
+        self.version += 1
+
+    def fork(self, parent: Sequence, child_id: int, fork_pos: int, copy_partial: Callable) -> None:
+        """``child_id`` shares the full pages of ``parent``'s first ``fork_pos`` slots; a partial last
+        page is copied into a new page by ``copy_partial(src, dst, num_slots)`` (one free page is
+        needed then). The child keeps the parent's window settings (the parent has not slid)."""
+        P = self.page_size
+        full, partial = divmod(fork_pos, P)
+        shared = parent.pages[:full].tolist()
+        self.pool.hold(shared)
+        if partial:
+            page = self.pool.alloc(1)[0]
+            copy_partial(int(parent.pages[full]), page, partial)
+            shared.append(page)
+        child = self.add(child_id, shared, fork_pos)
+        child.window, child.sink = parent.window, parent.sink
+        child.sink_end = child.window_start = parent.sink_end
+
+    def truncate(self, seq: Sequence, kv_len: int) -> None:
+        """Keep the first ``kv_len`` slots; pages no longer used are released."""
+        self.pool.release(seq.truncate_pages(-(-kv_len // self.page_size)))
+        seq.kv_len = kv_len
+        if seq.window_start > max(kv_len, seq.sink_end):
+            seq.window_start = max(kv_len, seq.sink_end)
+        self.version += 1
+
+    def set_window(self, seq: Sequence, window: int, sink: int) -> None:
+        seq.window, seq.sink, seq.sink_end, seq.window_start = window, sink, sink, sink
+        self.version += 1
+        self.slide(seq)
+
+    def slide(self, seq: Sequence) -> None:
+        """Drop tokens beyond the window (keep sink + the last window - sink) and free whole stale pages."""
+        if not seq.window:
+            return
+        P = self.page_size
+        kept = min(seq.kv_len, seq.sink_end) + max(0, seq.kv_len - seq.window_start)
+        excess = kept - seq.window
+        if excess <= 0:
+            return
+        seq.window_start += excess
+        self.version += 1
+        first, last = -(-seq.sink_end // P), seq.window_start // P
+        if last > first:
+            self.pool.release(seq.cut_pages(first, last))
+            drop = (last - first) * P
+            seq.window_start -= drop
+            seq.kv_len -= drop
+            seq.pos_offset += drop
+
+    def grow(self, seq: Sequence, pages: list) -> None:
+        """Append freshly allocated ``pages`` to ``seq``'s page list."""
+        seq.append_pages(pages)
+        self.version += 1
+
+    def copy_on_write(self, seq: Sequence, page: int) -> None:
+        """``page`` (freshly allocated, a copy of the shared last page) replaces that page."""
+        self.pool.release([seq.last_page])
+        seq.replace_last_page(page)
+        self.version += 1
+
+    def swap_out(self, seq_id: int) -> Sequence:
+        """Move ``seq_id`` to the swapped table; its page references are released."""
+        seq = self.resident.pop(seq_id)
+        self.pool.release(seq.truncate_pages(0))
+        self.swapped[seq_id] = seq
+        self.version += 1
+        return seq
+
+    def swap_in(self, seq_id: int, pages: list) -> None:
+        """Back on the device over ``pages`` (the caller holds one reference on each for it)."""
+        seq = self.swapped.pop(seq_id)
+        seq.set_pages(pages)
+        self.resident[seq_id] = seq
+        self.version += 1
+
+    def clear(self) -> None:
+        self.resident.clear()
+        self.swapped.clear()
+        self.version += 1
+
+    # ------------------------------------------------------------------ integrity
+    def check(self) -> list:
+        """Problems (strings) of the table: page counts, lengths, windows, trees, stored page lists."""
+        P, problems = self.page_size, []
+        for sid, seq in self.resident.items():
+            pages = seq.pages.tolist()
+            if len(set(pages)) != len(pages):
+                problems.append(f"sequence {sid} holds a page twice")
+            if len(pages) != -(-seq.kv_len // P):
+                problems.append(f"sequence {sid}: {len(pages)} pages for {seq.kv_len} slots")
+            if seq.last_page != (pages[-1] if pages else -1):
+                problems.append(f"sequence {sid}: its stored page list is out of step")
+            if any(not 0 <= p < self.pool.num_pages for p in pages):
+                problems.append(f"sequence {sid} lists a page id outside [0, {self.pool.num_pages})")
+            if not (seq.tree_start >= 0 and len(seq.tree_depth) == len(seq.tree_parent)):
+                problems.append(f"sequence {sid}: inconsistent token tree")
+            if seq.window and not (seq.sink_end <= seq.window_start <= max(seq.kv_len, seq.sink_end)):
+                problems.append(f"sequence {sid}: window bounds {seq.sink_end}, {seq.window_start}, {seq.kv_len}")
+        both = set(self.swapped) & set(self.resident)
+        if both:
+            problems.append(f"sequences {sorted(both)} are both on the device and swapped out")
+        for sid, seq in self.swapped.items():
+            if seq.num_pages:
+                problems.append(f"swapped sequence {sid} still holds device pages")
+        return problems
