@@ -9,7 +9,7 @@ from tvm import relax as rx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from .llama import INTERFACES, LlamaConfig
+from .llama_config import INTERFACES, LlamaConfig
 from .nn_cache import TvmkvKVCache
 
 

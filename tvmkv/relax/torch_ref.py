@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .llama import LlamaConfig
+from .llama_config import LlamaConfig
 
 
 class TorchLlama:

@@ -38,7 +38,7 @@ _TREE = attrgetter("tree_parent")
 _LAST_PAGE = attrgetter("last_page")
 
 
-def _available_bytes(device) -> int:
+def available_bytes(device) -> int:
     """Free memory of ``device`` in bytes (MemAvailable for the CPU)."""
     free = device.available_global_memory if device.dlpack_device_type() != 1 else None
     if free is None:
@@ -125,7 +125,7 @@ class PagedAttentionKVCache:
             if not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
             probe = CacheConfig(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size=page_size, dtype=dtype)
-            budget = int(_available_bytes(_device(kind)) * memory_fraction)
+            budget = int(available_bytes(_device(kind)) * memory_fraction)
             num_pages = budget // (probe.page_bytes * num_layers)
             need = -(-max_total_seq_len // page_size)
             if num_pages < need:
@@ -174,7 +174,7 @@ class PagedAttentionKVCache:
         if cfg.target_kind == "cuda" and not device.exist:
             raise RuntimeError("target='cuda' but no CUDA device is present; use target='llvm'")
         pool_bytes = cfg.total_pages * cfg.page_bytes * cfg.num_layers
-        free_bytes = _available_bytes(device)
+        free_bytes = available_bytes(device)
         if pool_bytes > free_bytes:
             raise ValueError(
                 f"the page pool needs {pool_bytes / 2**30:.2f} GiB ({cfg.total_pages} pages x {cfg.num_layers} "

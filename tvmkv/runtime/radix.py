@@ -120,7 +120,7 @@ class RadixPrefixCache:
         ----------
         token_ids : sequence of int or 1-D integer NumPy array
         """
-        tokens = _tokens(token_ids, "token_ids")
+        tokens = token_ids_tuple(token_ids, "token_ids")
         path, _, common = self._walk(tokens)
         return (path[-1].end if path else 0) + common
 
@@ -168,7 +168,7 @@ class RadixPrefixCache:
         """``(reused, pages)``: how many tokens ``add_sequence_with_prefix(seq_id, token_ids,
         max_reuse=max_reuse)`` would reuse now and the ``ceil(reused / P)`` pages the new sequence
         would share (the last one copied on its first write when ``reused % P``). Read-only."""
-        tokens = _tokens(token_ids, "token_ids")
+        tokens = token_ids_tuple(token_ids, "token_ids")
         reused, nodes = self._match(tokens, max_reuse)
         return reused, [p for node in nodes for p in node.pages][: -(-reused // self.page_size)]
 
@@ -177,7 +177,7 @@ class RadixPrefixCache:
         ``token_ids`` (read-only). Then ``insert(seq_id, token_ids)`` while it keeps running only
         pins pages it holds anyway; otherwise the new leaf would hang below pages of another
         sequence's, which could not be evicted while ``seq_id`` runs."""
-        tokens = _tokens(token_ids, "token_ids")
+        tokens = token_ids_tuple(token_ids, "token_ids")
         reused, pages = self.prefix_pages(tokens, max_reuse=len(tokens))
         full = reused // self.page_size
         return self.cache.sequence_pages(seq_id)[:full] == pages[:full]
@@ -201,7 +201,7 @@ class RadixPrefixCache:
 
         Raises KeyError / TypeError (seq_id), ValueError, ForwardStateError before changing anything.
         """
-        tokens = _tokens(token_ids, "token_ids")
+        tokens = token_ids_tuple(token_ids, "token_ids")
         P = self.page_size
         reused, nodes = self._match(tokens, max_reuse)
         pages = [p for node in nodes for p in node.pages][: -(-reused // P)]
@@ -234,7 +234,7 @@ class RadixPrefixCache:
         seq_pages = cache.sequence_pages(seq_id)  # KeyError / SequenceSwappedError
         seq = cache.sequence_info(seq_id)
         cache.require_no_forward("insert")
-        tokens = _tokens(token_ids, "token_ids")
+        tokens = token_ids_tuple(token_ids, "token_ids")
         n = len(tokens)
         if seq.window:
             raise ValueError(
@@ -451,7 +451,7 @@ def _common_prefix(edge: tuple, tokens: tuple, pos: int, P: int) -> int:
     return L
 
 
-def _tokens(token_ids, name: str) -> tuple:
+def token_ids_tuple(token_ids, name: str) -> tuple:
     """``token_ids`` as a tuple of Python ints (TypeError / ValueError name the argument)."""
     if isinstance(token_ids, (str, bytes)):
         raise TypeError(f"{name} must be a sequence of int token ids, not {type(token_ids).__name__}")

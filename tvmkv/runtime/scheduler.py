@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import OutOfPagesError
-from .radix import _tokens
+from .radix import token_ids_tuple
 
 WAITING, RUNNING, SWAPPED = "waiting", "running", "swapped"
 PREEMPTION_MODES = ("swap", "recompute")
@@ -215,7 +215,7 @@ class Scheduler:
         if seq_id in self.seqs:
             raise KeyError(f"seq_id {seq_id} is already scheduled; pick another id")
         if tokens is not None:
-            tokens = list(_tokens(tokens, "tokens"))
+            tokens = list(token_ids_tuple(tokens, "tokens"))
             if num_prompt_tokens is None:
                 num_prompt_tokens = len(tokens)
             elif num_prompt_tokens != len(tokens):
@@ -239,7 +239,7 @@ class Scheduler:
         if child_seq_id in self.seqs:
             raise KeyError(f"child_seq_id {child_seq_id} is already scheduled; pick another id")
         if tokens is not None:
-            tokens = list(_tokens(tokens, "tokens"))
+            tokens = list(token_ids_tuple(tokens, "tokens"))
             if len(tokens) != parent.num_tokens:
                 raise ValueError(
                     f"tokens of child {child_seq_id} has {len(tokens)} ids; its parent {parent_seq_id} has "

@@ -1,0 +1,164 @@
+"""Regression tests of bugs found by using tvmkv adversarially (issue 14), each failing before its fix.
+
+Oracles: attention written out in NumPy here (float64 softmax over the K/V the test put in), the K/V
+the test wrote, and a fresh process under CPython's debug allocator for the memory-safety case.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tvmkv
+from tvmkv import interop
+
+H_QO, H_KV, D, P = 4, 2, 16, 4
+
+
+def _cache(**kw):
+    opts = dict(page_size=P, max_batch_size=4, max_total_seq_len=64, prefill_chunk_size=32, dtype="float32")
+    opts.update(kw)
+    return tvmkv.PagedAttentionKVCache(1, H_QO, H_KV, D, **opts)
+
+
+def _attention(q, k, v):
+    """q [H_qo, D] against k/v [L, H_kv, D] (float64), GQA, no mask: [H_qo, D]."""
+    group = H_QO // H_KV
+    out = np.zeros((H_QO, D))
+    for h in range(H_QO):
+        s = k[:, h // group] @ q[h] * D**-0.5
+        p = np.exp(s - s.max())
+        out[h] = p @ v[:, h // group] / p.sum()
+    return out
+
+
+def _prefill(cache, sid, n, rng):
+    qkv = rng.standard_normal((n, H_QO + 2 * H_KV, D)).astype(np.float32)
+    cache.begin_forward([sid], [n])
+    cache.attention_with_fused_qkv(0, qkv)
+    cache.end_forward()
+    return qkv
+
+
+def test_import_into_an_emptied_sequence_uses_its_new_pages():
+    """An id popped to length 0 and imported into must read and write its new pages, not the pages it
+    held before the pop (which by then belong to another sequence)."""
+    rng = np.random.default_rng(0)
+    cache = _cache()
+    cache.add_sequence(0)
+    _prefill(cache, 0, 2 * P, rng)  # sequence 0 holds pages [0, 1]
+    cache.pop_n(0, 2 * P)  # empty again: pages 0 and 1 are free
+    cache.add_sequence(1)
+    qkv1 = _prefill(cache, 1, 2 * P, rng)  # sequence 1 now holds pages [0, 1]
+    data = rng.standard_normal((1, 2, 2 * P - 1, H_KV, D)).astype(np.float32)  # [L, 2, n, H, D]
+    interop.import_sequence(cache, 0, data, "contiguous")
+    assert set(cache.sequence_pages(0)).isdisjoint(cache.sequence_pages(1))
+    cache.check_integrity()
+    q = rng.standard_normal((1, H_QO + 2 * H_KV, D)).astype(np.float32)
+    cache.begin_forward([0], [1])
+    o = cache.attention_with_fused_qkv(0, q)
+    cache.end_forward()
+    k = np.concatenate([data[0, 0], q[:, H_QO : H_QO + H_KV]]).astype(np.float64)
+    v = np.concatenate([data[0, 1], q[:, H_QO + H_KV :]]).astype(np.float64)
+    np.testing.assert_allclose(o[0], _attention(q[0, :H_QO].astype(np.float64), k, v), atol=1e-5)
+    k1, v1 = cache.debug_get_kv(1)  # sequence 1's K/V untouched
+    np.testing.assert_array_equal(k1[0], qkv1[:, H_QO : H_QO + H_KV])
+    np.testing.assert_array_equal(v1[0], qkv1[:, H_QO + H_KV :])
+    cache.check_integrity()
+
+
+def test_import_evicts_prefix_cache_pages_before_running_out():
+    """import_sequence, like begin_forward and swap_in, asks the prefix cache to evict pages only it
+    holds before it raises OutOfPagesError."""
+    rng = np.random.default_rng(1)
+    cache = _cache(num_pages=16, max_total_seq_len=32)
+    prefix = tvmkv.RadixPrefixCache(cache)
+    for sid in range(3):  # three cached prompts of 4 pages each, held only by the tree
+        cache.add_sequence(sid)
+        _prefill(cache, sid, 4 * P, rng)
+        prefix.finish_sequence(sid, list(range(100 * sid, 100 * sid + 4 * P)))
+    assert cache.num_available_pages() == 4 and prefix.num_evictable_pages() == 12
+    data = rng.standard_normal((1, 2, 8 * P, H_KV, D)).astype(np.float32)
+    interop.import_sequence(cache, 7, data, "contiguous")  # 8 pages: 4 free + 4 evicted
+    k, v = cache.debug_get_kv(7)
+    np.testing.assert_array_equal(k[0], data[0, 0])
+    np.testing.assert_array_equal(v[0], data[0, 1])
+    prefix.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [2.0, True, "2", None])
+def test_one_id_rule_for_every_method(bad):
+    """Float, bool, str and None ids are rejected by every method (a float 2.0 or True used to act
+    on sequence 2 or 1), and the cache is unchanged."""
+    cache = _cache()
+    for sid in (1, 2):
+        cache.add_sequence(sid)
+    calls = [
+        lambda: cache.remove_sequence(bad),
+        lambda: cache.fork_sequence(bad, 3),
+        lambda: cache.pop_n(bad, 0),
+        lambda: cache.begin_forward([bad], [1]),
+        lambda: cache.sequence_length(bad),
+        lambda: cache.debug_get_kv(bad),
+        lambda: cache.num_pages_needed(bad, 1),
+        lambda: cache.swap_out([bad]),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match="must be an int"):
+            call()
+    assert cache.sequence_ids() == [1, 2] and not cache.forward_open
+    cache.check_integrity()
+
+
+def test_page_queries_validate_their_arguments():
+    cache = _cache()
+    cache.add_sequence(0)
+    with pytest.raises(ValueError, match="num_tokens=-100 must be >= 0"):
+        cache.num_pages_needed(0, -100)
+    with pytest.raises(TypeError, match="num_tokens=1.5 must be an int"):
+        cache.num_pages_needed(0, 1.5)
+    assert type(cache.num_pages_needed(0, 5)) is int and cache.num_pages_needed(0, 5) == 2
+    with pytest.raises(ValueError, match="twice"):
+        cache.num_pages_released_by([0, 0])
+
+
+_VIEW_LIFETIME = textwrap.dedent(
+    """
+    import numpy as np, tvm
+    from tvmkv.runtime.index_buffer import IndexBuffers, RING
+
+    ib = IndexBuffers(tvm.cpu(0), 1 << 14)
+    ib.host[:] = np.arange(ib.capacity, dtype=np.int32)
+    ib.upload(0, ib.capacity)
+    ib.upload(1, ib.capacity)
+    kept = []
+    for i in range(3000):  # > 512 distinct views per slot: the view cache is dropped several times
+        slot = ib.next_slot(16)
+        off, n = 16 * (i % 300), 1 + i % 37
+        view = ib.view(slot, off, (n,))
+        if i % 7 == 0:
+            kept.append((view, off, n))  # a caller (e.g. a bound forward) still holds it
+    assert ib.generation >= 4, ib.generation
+    for view, off, n in kept:  # every kept view still has its shape and reads its memory
+        assert tuple(view.shape) == (n,), (view.shape, n)
+        np.testing.assert_array_equal(view.numpy(), np.arange(off, off + n, dtype=np.int32))
+    del kept
+    print("ok")
+    """
+)
+
+
+def test_index_views_outlive_the_view_cache_under_the_debug_allocator():
+    """Views handed out by IndexBuffers stay valid after its view cache is dropped (they used to point
+    into freed DLPack structs); run under PYTHONMALLOC=debug, which poisons freed memory."""
+    env = {"PYTHONMALLOC": "debug", "PATH": "/usr/bin:/bin"}
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-c", _VIEW_LIFETIME], capture_output=True, text=True, timeout=300, env=env, cwd=root
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
