@@ -281,7 +281,7 @@ def render(rows, meta) -> str:
         "bodies) in both caches, so this is host overhead only. Median µs over "
         f"{meta['steps']} steps; the two caches run in alternating blocks of 10 steps in one process, so "
         "load from other processes hits both alike. tvmkv plans a decode step of the same batch as the "
-        "step before by updating that plan in place (`_decode_fast_path`); rows marked *changed every "
+        "step before by updating that plan in place (`plan.RepeatDecode`); rows marked *changed every "
         "step* flip the batch order each step, which forces its general planning path. "
         "`bench/host.py --write` regenerates this section.",
         "",

@@ -478,7 +478,7 @@ class PagedAttentionKVCache:
         plan = plan_step(self._index, P, seq_ids, seqs, lens, history, want, windowed, parents)
         for seq, n in zip(seqs, end.tolist()):
             seq.kv_len = n
-        if tree:
+        if parents is not None:
             for seq, (p, d) in zip(seqs, parents):
                 seq.tree_parent.extend(p)
                 seq.tree_depth.extend(d)

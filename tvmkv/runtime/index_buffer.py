@@ -34,6 +34,7 @@ frees a struct a live view still points into). The memory a view points into is 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 
@@ -104,7 +105,7 @@ class _Export:
             raise MemoryError("malloc of a DLPack struct failed")
         ctypes.memset(addr, 0, head)
         shape = (ctypes.c_int64 * ndim).from_address(addr + head)
-        shape[:] = self.shape
+        shape[:] = list(self.shape)
         m = _DLManagedTensor.from_address(addr)
         m.dl_tensor.data = self.base.data_ptr() + self.byte_offset
         m.dl_tensor.device = _DLDevice(dev_type, dev_id)
@@ -130,7 +131,10 @@ class IndexBuffers:
         self._copy = tvm_ffi.get_global_func("runtime.TVMTensorCopyFromTo")
         self._retired: list = []  # earlier allocations (views handed out may still point there)
         self._turn = 0
-        self.generation = 0  # bumped whenever views handed out may have been dropped (see next_slot)
+        self.generation = 0  # bumped whenever the view cache is dropped (see next_slot)
+        self.host_tensor: Any = None  # the host buffer (tvm, CPU); ``host`` is a NumPy view of it
+        self.host: np.ndarray = np.zeros(0, np.int32)
+        self._dev: list = []
         self._allocate(capacity)
 
     @property
@@ -141,10 +145,10 @@ class IndexBuffers:
         import tvm
 
         capacity = -(-max(capacity, _BUCKET) // _BUCKET) * _BUCKET
-        if hasattr(self, "host"):
-            self._retired.append((self._host_t, self._dev))
-        self._host_t = tvm.runtime.empty((capacity,), "int32", tvm.cpu(0))
-        self.host = np.from_dlpack(self._host_t)  # writes land in _host_t's memory
+        if self.host_tensor is not None:
+            self._retired.append((self.host_tensor, self._dev))
+        self.host_tensor = tvm.runtime.empty((capacity,), "int32", tvm.cpu(0))
+        self.host = np.from_dlpack(self.host_tensor)  # writes land in host_tensor's memory
         self.host[:] = 0
         self._dev = [tvm.runtime.empty((capacity,), "int32", self.device) for _ in range(RING)]
         self._views: list = [{} for _ in range(RING)]
@@ -166,7 +170,7 @@ class IndexBuffers:
         n = min(-(-max(used, 1) // _BUCKET) * _BUCKET, self.capacity)
         pair = self._copies[slot].get(n)
         if pair is None:
-            pair = (self._host_t._create_view((n,)), self._dev[slot]._create_view((n,)))
+            pair = (self.host_tensor._create_view((n,)), self._dev[slot]._create_view((n,)))
             self._copies[slot][n] = pair
         self._copy(*pair)
 

@@ -610,7 +610,7 @@ def import_sequence(cache, seq_id, data, layout: str, *, num_tokens=None, block_
             page_ids = _dev_ints(cache, np.asarray(pages))
             extra = () if layout == "contiguous" else (_dev_ints(cache, blocks),)
             for layer in range(cfg.num_layers):
-                kern(cache.pages[layer], page_ids, src, *extra, layer)
+                kern(cache.pages[layer], page_ids, src, *extra, layer)  # type: ignore[misc]  # set when m
     except BaseException:
         cache.pool.release(pages)
         raise

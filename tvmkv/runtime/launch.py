@@ -10,6 +10,7 @@ Python work: split/rotate, append, attention (and the merge of a split decode's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import CacheConfig
 from ..tir.decode_plan import split_granule
@@ -39,7 +40,7 @@ class Forward:
     paged: bool = True
     kernels: tuple = ()  # (split_rope, append, attention) functions of the library
     decode_split: DecodeSplit = NO_SPLIT  # paged_decode only: how the step cuts its sequences
-    merge: object = None  # merge_splits when decode_split splits, else None
+    merge: Any = None  # merge_splits when decode_split splits, else None
     parts: tuple = ()  # (o_part, lse_part) views the split decode writes and merge_splits reads
     qkv_shape: tuple = ()  # [total, H_qo + 2 H_kv, D] expected of qkv
     o_shape: tuple = ()  # [total, H_qo, D] expected of out

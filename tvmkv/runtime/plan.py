@@ -141,6 +141,7 @@ def plan_step(ib: IndexBuffers, page_size: int, seq_ids, seqs, lens, history, np
     kv_window = arr(host, "kv_window")
     kv_window[:] = 0
     # token t of sequence b sits at slot history[b] + (t - q_indptr[b]) of that sequence
+    seq_of: slice | np.ndarray
     if total == B:
         seq_of, pos = slice(None), history
     else:
@@ -192,7 +193,7 @@ def dfs_intervals(parents: list) -> tuple:
     """(enter, exit) preorder intervals of a forest given parent indices (parent < child)."""
     n = len(parents)
     children: list = [[] for _ in range(n)]
-    roots = []
+    roots: list = []
     for i, p in enumerate(parents):
         (roots if p < 0 else children[p]).append(i)
     enter = np.zeros(n, np.int32)
@@ -221,7 +222,8 @@ class RepeatDecode:
     seq_ids: list
     seqs: list
     ones: list  # [1] * B, compared with the next step's append_lengths
-    versions: tuple  # (pool.version, table.version) after the step
+    pool_version: int  # pool.version after the step
+    table_version: int  # table.version after the step
     npages: np.ndarray  # int64 [B] pages of each sequence
     host: np.ndarray  # the packed host buffer the views below point into
     slots: np.ndarray
@@ -229,6 +231,7 @@ class RepeatDecode:
     advance_view: np.ndarray  # one view from q_pos to the end of last_page_len (padding included)
     page_indptr: np.ndarray
     layout: PackedLayout
+    pi: int  # offset of page_indices in the packed buffer
     nnz: int  # page_indices entries
     max_keys: int  # the longest sequence's kv length after the step
     room: int  # steps before some sequence's last page is full (P - max(last_page_len))
@@ -247,7 +250,8 @@ class RepeatDecode:
             seq_ids=plan.seq_ids,
             seqs=seqs,
             ones=[1] * len(seqs),
-            versions=versions,
+            pool_version=versions[0],
+            table_version=versions[1],
             npages=npages.astype(np.int64),
             host=host,
             slots=layout.array(host, "slots"),
@@ -255,6 +259,7 @@ class RepeatDecode:
             advance_view=host[layout.arrays["q_pos"][0] : layout.arrays["last_page_len"][0] + len(seqs)],
             page_indptr=layout.array(host, "page_indptr"),
             layout=layout,
+            pi=layout.page_indices_at,
             nnz=plan.nnz,
             max_keys=plan.max_keys,
             room=page_size - int(lpl.max()),
@@ -270,19 +275,19 @@ class RepeatDecode:
         general path handles (a new page with too few free pages: the general path raises
         OutOfPagesError; a bigger index buffer). The batch was validated at the step this one repeats.
         """
-        if (pool.version, table.version) != self.versions or self.host is not ib.host:
+        if pool.version != self.pool_version or table.version != self.table_version or self.host is not ib.host:
             return False
         if list(seq_ids) != self.seq_ids or list(append_lengths) != self.ones:
             return False
         seqs, P, lpl = self.seqs, self.page_size, self.last_page_len
-        opens = np.flatnonzero(lpl == P) if self.room == 0 else ()  # new tokens that open a page
-        pi = self.layout.page_indices_at
+        opens = np.flatnonzero(lpl == P) if self.room == 0 else np.zeros(0, np.int64)  # new tokens opening a page
+        pi = self.pi
         if len(opens):
             if len(opens) > pool.num_free or pi + self.nnz + len(opens) > ib.capacity:
                 return False
             new = pool.alloc(len(opens))
             for i, page in zip(opens.tolist(), new):
-                table.grow(seqs[i], (page,))
+                table.grow(seqs[i], [page])
             self.npages[opens] += 1
             self.nnz += len(opens)
             np.cumsum(self.npages, out=self.page_indptr[1:])
@@ -299,17 +304,17 @@ class RepeatDecode:
         for seq in seqs:
             seq.kv_len += 1
         self.max_keys += 1
-        self.versions = (pool.version, table.version)
+        self.pool_version, self.table_version = pool.version, table.version
         return True
 
     @property
     def used(self) -> int:
-        return self.layout.used(self.nnz)
+        return self.pi + max(self.nnz, 1)
 
     def check(self, pool: PagePool, table: SequenceTable) -> list:
         """Problems of the kept plan against the page tables, while it is still valid (it will be
         reused by the next repeated decode step)."""
-        if (pool.version, table.version) != self.versions:
+        if (pool.version, table.version) != (self.pool_version, self.table_version):
             return []
         problems = []
         host, layout, P = self.host, self.layout, self.page_size

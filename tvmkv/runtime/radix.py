@@ -338,7 +338,8 @@ class RadixPrefixCache:
         no page twice, every page referenced), then run the cache's ``check_integrity`` (which counts
         the tree's references)."""
         P, ref = self.page_size, self.cache.pool.ref_counts()
-        problems, seen = [], set()
+        problems: list = []
+        seen: set = set()
         for node in self._nodes():
             if node is self._root:
                 continue
@@ -375,7 +376,7 @@ class RadixPrefixCache:
         ``ref``, default the cache's)."""
         ref = self.cache.pool.ref_counts() if ref is None else ref
         order = list(self._nodes())  # parents before children
-        free = {}
+        free: dict = {}
         for node in reversed(order):
             free[id(node)] = bool((ref[node.pages] == 1).all()) and all(free[id(c)] for c in node.children.values())
         return [node for node in order if node is not self._root and free[id(node)]]
@@ -395,7 +396,8 @@ class RadixPrefixCache:
         (root excluded), ``child`` the child of the last of them (or of the root) sharing the most
         tokens with the rest of ``tokens``, ``common`` how many (0 and None when no child does)."""
         P, n = self.page_size, len(tokens)
-        node, pos, path = self._root, 0, []
+        node, pos = self._root, 0
+        path: list = []
         while pos < n:
             first = tokens[pos : pos + P]
             child = node.children.get(first) if len(first) == P else None

@@ -196,7 +196,7 @@ class Scheduler:
         self.total_pages = cfg.total_pages
         self.stats = SchedulerStats()
         self.seqs: dict = {}  # seq_id -> SeqState (unfinished sequences)
-        self.queues = {WAITING: [], RUNNING: [], SWAPPED: []}  # each sorted by arrival
+        self.queues: dict = {WAITING: [], RUNNING: [], SWAPPED: []}  # each sorted by arrival
         self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------ requests
@@ -287,9 +287,9 @@ class Scheduler:
         budget, slots = self.token_budget, self.max_batch_size
         base_free = cache.num_available_pages()
         chosen = {}  # seq_id -> (SeqState, num_tokens)
-        victims = []
+        victims: list = []
         used = 0  # pages the chosen parts take
-        pinned = []  # tree pages that planned admissions will share (prefix cache)
+        pinned: list = []  # tree pages that planned admissions will share (prefix cache)
 
         def available(pins=()) -> int:
             """Free pages, plus those the victims release and the tree could evict, minus ``used``."""

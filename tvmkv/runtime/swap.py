@@ -118,7 +118,9 @@ class HostSwap:
                 self.table.get(s)  # KeyError for an unknown id
                 raise ValueError(f"sequence {s} is on the device, not swapped out; swap_in only swapped sequences")
         recs = [self.records[s] for s in seq_ids]
-        keys, index_of, users = [], {}, []  # distinct (block, row) -> new page index, sharers
+        keys: list = []  # distinct (block, row) in first-use order
+        index_of: dict = {}  # (id(block), row) -> index in keys (the new page)
+        users: list = []  # sequences sharing each
         for rec in recs:
             for r in rec.rows.tolist():
                 key = (id(rec.block), r)
