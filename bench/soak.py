@@ -1,11 +1,13 @@
-"""Long randomized soak of ``PagedAttentionKVCache`` against the NumPy model (tests/test_stateful.py).
+"""Long randomized soak of ``PagedAttentionKVCache`` against the NumPy model (tvmkv.testing.stateful).
 
 Runs ``--ops`` random operations (valid ones and deliberate misuse, on a cache with few pages) with
-tiny shapes and one layer. Every operation's outcome (success, or which exception) is predicted and
-checked, with ``check_integrity()``, lengths and free pages checked after every operation; attention
-outputs are checked on every forward; stored K/V are compared with the model every ``--kv-every``
-operations. Every ``--reset-every`` operations all sequences are removed and the free list must be
-whole again (a leak check), then a fresh episode starts with the next seed.
+tiny shapes and one layer (by default the cache of tests/test_stateful.py,
+``tvmkv.testing.configs.STATEFUL_CACHE``). Every operation's outcome (success, or which exception)
+is predicted and checked, with ``check_integrity()``, lengths and free pages checked after every
+operation; attention outputs are checked on every forward; stored K/V are compared with the model
+every ``--kv-every`` operations and at the end of each episode. Every ``--reset-every`` operations
+all sequences are removed and the free list must be whole again (a leak check), then a fresh episode
+starts with the next seed.
 
     .venv/bin/python bench/soak.py --ops 100000 --seed 0 --target llvm
 
@@ -16,22 +18,14 @@ leaked pages, wall time, rate); ``--json PATH`` also writes the summary as JSON.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_harness():
-    """Import tests/test_stateful.py (the generator, runner and shrinker) by path."""
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("tvmkv_stateful", ROOT / "tests" / "test_stateful.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tvmkv without an install (the GPU machine)
 
 
 def main(argv=None) -> int:
@@ -39,10 +33,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=100_000, help="operations to run (default 100000)")
     ap.add_argument("--seed", type=int, default=0, help="first episode seed (episode i uses seed + i)")
     ap.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
-    ap.add_argument("--page-size", type=int, default=4)
-    ap.add_argument("--num-pages", type=int, default=16, help="pages in the pool (few, so it runs out)")
-    ap.add_argument("--rope-mode", default="normal", choices=["none", "normal", "inline"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    cache_args = ap.add_argument_group(
+        "cache", "left out: as in the stateful tests (tvmkv.testing.configs.STATEFUL_CACHE)"
+    )
+    cache_args.add_argument("--page-size", type=int)
+    cache_args.add_argument("--num-pages", type=int, help="pages in the pool (few, so it runs out)")
+    cache_args.add_argument("--rope-mode", choices=["none", "normal", "inline"])
+    cache_args.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     ap.add_argument(
         "--decode-splits", type=int, default=None, help="the cache's decode_splits (N > 1 forces flash-decoding)"
     )
@@ -58,23 +55,14 @@ def main(argv=None) -> int:
 
     bootstrap()  # $TVMKV_PAYLOAD: the GPU machine's runtime-only TVM, before tvm is imported
 
-    h = _load_harness()
+    from tvmkv.testing import make_cache
+    from tvmkv.testing.configs import STATEFUL_CACHE
+    from tvmkv.testing.stateful import Mismatch, run_random, shrink
+
+    given = dict(page_size=args.page_size, num_pages=args.num_pages, rope_mode=args.rope_mode, dtype=args.dtype)
+    options = {**STATEFUL_CACHE, **{k: v for k, v in given.items() if v is not None}}
     t_build = time.time()
-    cache = h.make_cache(
-        args.target,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        num_layers=1,
-        num_qo_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        rope_mode=args.rope_mode,
-        sliding=True,
-        max_batch_size=4,
-        prefill_chunk_size=32,
-        dtype=args.dtype,
-        decode_splits=args.decode_splits,
-    )
+    cache = make_cache(args.target, **options, decode_splits=args.decode_splits)
     build_s = time.time() - t_build
     ops_run = rejected = leaked = episodes = 0
     mismatches, stats = [], {}
@@ -84,26 +72,16 @@ def main(argv=None) -> int:
         if args.time_limit and time.time() - t0 > args.time_limit:
             break
         n = min(args.reset_every, args.ops - ops_run)
-        cache.clear()
-        runner = h.StatefulRunner(cache, seed=seed, kv_every=args.kv_every)
-        gen = h.Generator(runner, seed, args.misuse)
-        ops = []
         try:
-            for _ in range(n):
-                op = gen.next()
-                ops.append(op)
-                runner.step(op)
-            runner.driver.check_kv()
-            pages = runner.drain()
-            leaked += pages
-            if pages:
-                raise h.Mismatch(f"{pages} pages leaked after removing every sequence")
-        except h.Mismatch as err:
-            entry = {"seed": seed, "step": len(ops) - 1, "error": str(err)[:2000]}
+            _, runner = run_random(cache, seed, n, kv_every=args.kv_every, misuse=args.misuse)
+        except Mismatch as err:
+            runner, step = err.runner, err.runner.steps - 1
+            leaked += err.leaked
+            entry = {"seed": seed, "step": step, "error": str(err)[:2000]}
             if args.shrink:
-                entry["shrunk"] = h.shrink(cache, ops, seed)
+                entry["shrunk"] = shrink(cache, err.ops, seed)
             mismatches.append(entry)
-            print(f"MISMATCH seed {seed} step {len(ops) - 1}: {str(err)[:500]}", flush=True)
+            print(f"MISMATCH seed {seed} step {step}: {str(err)[:500]}", flush=True)
         ops_run += runner.steps
         rejected += runner.rejected
         for k, v in runner.stats.items():
@@ -129,10 +107,10 @@ def main(argv=None) -> int:
         "build_s": round(build_s, 1),
         "target": args.target,
         "seed": args.seed,
-        "dtype": args.dtype,
-        "page_size": args.page_size,
-        "num_pages": args.num_pages,
-        "rope_mode": args.rope_mode,
+        "dtype": cache.config.dtype,
+        "page_size": cache.config.page_size,
+        "num_pages": cache.config.total_pages,
+        "rope_mode": cache.config.rope_mode,
         "decode_splits": args.decode_splits,
         "kv_every": args.kv_every,
         "reset_every": args.reset_every,

@@ -8,55 +8,22 @@ import pytest
 import tvmkv
 from tvmkv.replay import NEEDS_SLIDING, SCENARIOS, Replayer
 from tvmkv.runtime.tensors import numpy_dtype
-
-# A covering set of configurations: every value of every axis appears
-# (dtype x head_dim x rope x group x page).
-CONFIGS = [
-    # dtype,    D,  rope,     group, page
-    ("float32", 64, "none", 1, 16),
-    ("float32", 128, "normal", 4, 1),
-    ("float32", 64, "inline", 8, 64),
-    ("float16", 64, "normal", 4, 16),
-    ("float16", 128, "none", 8, 16),
-    ("float16", 128, "inline", 1, 64),
-    ("float16", 64, "inline", 4, 1),
-    ("float32", 128, "normal", 8, 64),
-]
+from tvmkv.testing import make_cache
+from tvmkv.testing.configs import REPLAY_CONFIGS
 
 
-def make_cache(
-    target,
-    dtype="float32",
-    head_dim=64,
-    rope_mode="none",
-    group=4,
-    page_size=16,
-    *,
-    sliding=False,
-    num_layers=2,
-    num_kv_heads=2,
-    **kw,
-):
-    opts = dict(max_batch_size=16, max_total_seq_len=512, prefill_chunk_size=256)
-    opts.update(kw)
-    return tvmkv.PagedAttentionKVCache(
-        num_layers,
-        group * num_kv_heads,
-        num_kv_heads,
-        head_dim,
-        page_size=page_size,
-        dtype=dtype,
-        rope_mode=rope_mode,
-        support_sliding_window=sliding,
-        target=target,
-        **opts,
-    )
-
-
-@pytest.mark.parametrize("dtype,head_dim,rope_mode,group,page_size", CONFIGS)
+@pytest.mark.parametrize("dtype,head_dim,rope_mode,group,page_size", REPLAY_CONFIGS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_replay(target, scenario, dtype, head_dim, rope_mode, group, page_size):
-    cache = make_cache(target, dtype, head_dim, rope_mode, group, page_size, sliding=scenario in NEEDS_SLIDING)
+    cache = make_cache(
+        target,
+        dtype=dtype,
+        head_dim=head_dim,
+        rope_mode=rope_mode,
+        group=group,
+        page_size=page_size,
+        sliding=scenario in NEEDS_SLIDING,
+    )
     r = Replayer(cache, seed=hash((scenario, head_dim, page_size)) % 1000)
     rows = r.run(SCENARIOS[scenario])
     assert len(rows) == len(SCENARIOS[scenario])
@@ -68,14 +35,16 @@ def test_replay(target, scenario, dtype, head_dim, rope_mode, group, page_size):
 def test_replay_split_decode(target, scenario):
     """Every scenario with flash-decoding forced (decode_splits=4; inline RoPE, page size 1 and, where
     the scenario needs it, sliding windows ride along): outputs still match the model."""
-    cache = make_cache(target, "float16", 64, "inline", 4, 1, sliding=scenario in NEEDS_SLIDING, decode_splits=4)
+    cache = make_cache(
+        target, dtype="float16", rope_mode="inline", page_size=1, sliding=scenario in NEEDS_SLIDING, decode_splits=4
+    )
     r = Replayer(cache, seed=7)
     assert len(r.run(SCENARIOS[scenario])) == len(SCENARIOS[scenario])
     assert cache.num_available_pages() == cache.config.total_pages
 
 
 def test_bfloat16_replay(target):
-    cache = make_cache(target, "bfloat16", 64, "normal", 4, 16)
+    cache = make_cache(target, dtype="bfloat16", rope_mode="normal")
     Replayer(cache).run(SCENARIOS["fork"])
     assert cache.num_available_pages() == cache.config.total_pages
 
@@ -105,7 +74,7 @@ def assert_same(cache, before, start=0):
 @pytest.fixture
 def filled(target):
     """A cache with sequences 0 (21 tokens) and 1 (forked from 0 at 10, plus 3)."""
-    cache = make_cache(target, "float32", 64, "none", 2, 8, num_pages=40, max_total_seq_len=256, prefill_chunk_size=512)
+    cache = make_cache(target, group=2, page_size=8, num_pages=40, max_total_seq_len=256, prefill_chunk_size=512)
     rng = np.random.default_rng(1)
     cache.add_sequence(0)
     run_forward(cache, rng, [0], [21])
@@ -220,9 +189,7 @@ def test_attention_misuse(filled, name):
 
 
 def test_out_of_pages_then_retry(target):
-    cache = make_cache(
-        target, "float32", 64, "none", 1, 16, num_pages=32, max_total_seq_len=512, prefill_chunk_size=512
-    )
+    cache = make_cache(target, group=1, num_pages=32, max_total_seq_len=512, prefill_chunk_size=512)
     rng = np.random.default_rng(4)
     for sid in range(3):
         cache.add_sequence(sid)
@@ -242,10 +209,10 @@ def test_torch_and_tvm_arrays_and_out(target):
     import torch
     import tvm
 
-    cache = make_cache(target, "float32", 64, "none", 2, 16)
+    cache = make_cache(target, group=2)
     rng = np.random.default_rng(5)
     cfg = cache.config
-    ref_cache = make_cache(target, "float32", 64, "none", 2, 16)
+    ref_cache = make_cache(target, group=2)
     for c in (cache, ref_cache):
         c.add_sequence(0)
         c.begin_forward([0], [5])
@@ -266,7 +233,7 @@ def test_torch_and_tvm_arrays_and_out(target):
 
 
 def test_sliding_window_misuse(target):
-    cache = make_cache(target, "float32", 64, "none", 1, 4, sliding=True)
+    cache = make_cache(target, group=1, page_size=4, sliding=True)
     rng = np.random.default_rng(6)
     cache.add_sequence(0)
     with pytest.raises(ValueError):
@@ -306,9 +273,9 @@ def test_capacity_sizing():
     cache = tvmkv.PagedAttentionKVCache(
         2, 4, 2, 64, page_size=16, dtype="float32", memory_fraction=0.001, max_total_seq_len=64
     )
-    from tvmkv.runtime.cache import _available_bytes
+    from tvmkv.runtime.cache import available_bytes
 
-    want = int(_available_bytes(cache.device) * 0.001) // (cache.config.page_bytes * 2)
+    want = int(available_bytes(cache.device) * 0.001) // (cache.config.page_bytes * 2)
     assert abs(cache.config.total_pages - want) <= want // 20 + 1  # free memory moves a little
     assert cache.num_available_pages() == cache.config.total_pages
     with pytest.raises(ValueError, match="memory_fraction"):
@@ -320,7 +287,7 @@ def test_capacity_sizing():
 
 
 def test_seq_ids_any_int_and_bool_rejected(target):
-    cache = make_cache(target, "float32", 64, "none", 1, 16)
+    cache = make_cache(target, group=1)
     rng = np.random.default_rng(7)
     for sid in (-5, 2**70, np.int64(3)):
         cache.add_sequence(sid)
@@ -333,7 +300,7 @@ def test_seq_ids_any_int_and_bool_rejected(target):
 
 
 def test_nan_stays_in_its_sequence(target):
-    cache = make_cache(target, "float32", 64, "none", 2, 4)
+    cache = make_cache(target, group=2, page_size=4)
     cfg = cache.config
     rng = np.random.default_rng(8)
     for sid in (0, 1):

@@ -11,7 +11,8 @@ A scenario is data: a list of operations, each a list whose first item names it.
     ["tree", [[sid, [parent, ...]], ...]]   a token-tree forward (parents index uncommitted nodes)
     ["commit", [[sid, leaf], ...]]    commit_accepted_token_tree_nodes
 
-After every operation the cache's integrity is checked and every sequence's stored K/V is compared
+The cache is :func:`tvmkv.testing.make_cache`'s (the replay shape unless options change it). After
+every operation the cache's integrity is checked and every sequence's stored K/V is compared
 with the model; every attention output of every layer is compared too.
 
 ``python -m tvmkv replay [--target llvm] [--dtype float32] [SCENARIO ...]`` prints a table per step.
@@ -28,6 +29,7 @@ import numpy as np
 
 from .reference.cache_model import CacheModel
 from .runtime.tensors import numpy_dtype
+from .testing import cache_kwargs, make_cache
 
 
 def _tvm_operation_seq():
@@ -231,11 +233,18 @@ class Replayer:
             )
         return 0.0, 0, 0
 
-    def forward(self, ids, lengths, parents, flat) -> float:
+    def forward(self, ids, lengths, parents, flat, *, after_begin=None) -> float:
+        """One forward of ``ids`` on the cache and the model; returns the largest output difference.
+
+        ``after_begin(cache)``, when given, runs between ``begin_forward`` and the first layer (the
+        stateful runner makes the calls an open forward forbids there).
+        """
         cfg = self.cache.config
         n = sum(lengths)
         self.cache.begin_forward(ids, lengths, flat)
         self.model.begin(ids, lengths, parents)
+        if after_begin is not None:
+            after_begin(self.cache)
         worst = 0.0
         for layer in range(cfg.num_layers):
             qkv = self.rng.uniform(-1, 1, (n, cfg.qkv_heads, cfg.head_dim)).astype(numpy_dtype(cfg.dtype))
@@ -279,40 +288,14 @@ class Replayer:
             assert free == self.initial_free, f"{self.initial_free - free} pages leaked"
 
 
-def replay(
-    name,
-    *,
-    target="llvm",
-    dtype="float32",
-    head_dim=64,
-    num_qo_heads=8,
-    num_kv_heads=2,
-    page_size=16,
-    rope_mode="none",
-    num_layers=2,
-    on_row=None,
-    seed=0,
-    decode_splits=None,
-) -> list:
+def replay(name, *, target="llvm", on_row=None, seed=0, **options) -> list:
     """Replay scenario ``name`` on a fresh cache; raises AssertionError on any mismatch.
-    ``decode_splits`` is the cache's option (an int > 1 forces flash-decoding on every decode step)."""
-    from . import PagedAttentionKVCache
 
-    cache = PagedAttentionKVCache(
-        num_layers,
-        num_qo_heads,
-        num_kv_heads,
-        head_dim,
-        page_size=page_size,
-        max_batch_size=16,
-        max_total_seq_len=512,
-        prefill_chunk_size=256,
-        dtype=dtype,
-        rope_mode=rope_mode,
-        support_sliding_window=name in NEEDS_SLIDING,
-        target=target,
-        decode_splits=decode_splits,
-    )
+    The cache is :func:`tvmkv.testing.make_cache` with ``options`` (by default the replay shape; the
+    sliding-window kernels when the scenario needs them). ``decode_splits`` is the cache's option (an
+    int > 1 forces flash-decoding on every decode step). Returns one :class:`StepRow` per operation.
+    """
+    cache = make_cache(target, sliding=name in NEEDS_SLIDING, **options)
     r = Replayer(cache, seed=seed)
     rows = r.run(SCENARIOS[name], on_row=on_row)
     r.check_drained()
@@ -323,11 +306,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tvmkv replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("scenarios", nargs="*", help=f"scenario names (default: all): {', '.join(SCENARIOS)}")
     ap.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--num-qo-heads", type=int, default=8)
-    ap.add_argument("--num-kv-heads", type=int, default=2)
-    ap.add_argument("--page-size", type=int, default=16)
+    shape = cache_kwargs()  # the replay shape: tvmkv.testing.make_cache's defaults
+    ap.add_argument("--dtype", default=shape["dtype"], choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--head-dim", type=int, default=shape["head_dim"])
+    ap.add_argument("--num-qo-heads", type=int, default=shape["num_qo_heads"])
+    ap.add_argument("--num-kv-heads", type=int, default=shape["num_kv_heads"])
+    ap.add_argument("--page-size", type=int, default=shape["page_size"])
     ap.add_argument("--rope-mode", default="normal", choices=["none", "normal", "inline"])
     ap.add_argument(
         "--decode-splits",
