@@ -162,3 +162,21 @@ def test_index_views_outlive_the_view_cache_under_the_debug_allocator():
         [sys.executable, "-c", _VIEW_LIFETIME], capture_output=True, text=True, timeout=300, env=env, cwd=root
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+def test_scalar_where_a_list_belongs_and_bad_sm_scale_name_the_fix():
+    cache = _cache()
+    cache.add_sequence(0)
+    with pytest.raises(TypeError, match=r"begin_forward takes a list of sequence ids, not int; e.g. \[0\]"):
+        cache.begin_forward(0, 1)
+    with pytest.raises(TypeError, match="append_lengths must be a list of ints"):
+        cache.begin_forward([0], 1)
+    with pytest.raises(TypeError, match=r"swap_out takes a list of sequence ids, not int; e.g. \[0\]"):
+        cache.swap_out(0)
+    assert not cache.forward_open and cache.sequence_length(0) == 0
+    cache.begin_forward([0], [1])
+    qkv = np.zeros((1, H_QO + 2 * H_KV, D), np.float32)
+    with pytest.raises(TypeError, match="sm_scale='x' must be a float"):
+        cache.attention_with_fused_qkv(0, qkv, sm_scale="x")
+    cache.end_forward()
+    cache.check_integrity()

@@ -415,11 +415,11 @@ class PagedAttentionKVCache:
         cfg, table, pool = self.config, self._table, self.pool
         # Validation does O(1) Python-level passes over the batch (C-level map/set/min); the per-item
         # loops that build error messages run only once something is wrong.
-        seq_ids = list(seq_ids)
+        seq_ids = _id_list(seq_ids, "begin_forward")
         if set(map(type, seq_ids)) - {int}:
             seq_ids = [check_id(s, "seq_ids[i]") for s in seq_ids]
         seqs = list(map(table.get, seq_ids))
-        lengths = list(append_lengths)
+        lengths = _int_list(append_lengths, "append_lengths")
         if set(map(type, lengths)) - {int}:
             lengths = [as_int(n, "append_lengths[i]") for n in lengths]
         if not seq_ids:
@@ -549,6 +549,8 @@ class PagedAttentionKVCache:
         if sm_scale is None:
             sm_scale = self._default_sm_scale
         else:
+            if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating, np.integer)):
+                raise TypeError(f"sm_scale={sm_scale!r} must be a float (e.g. head_dim ** -0.5) or None")
             sm_scale = float(sm_scale)
             if not math.isfinite(sm_scale):
                 raise ValueError(f"sm_scale={sm_scale} must be finite")
@@ -825,6 +827,12 @@ def _id_list(seq_ids, what: str) -> list:
     if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
         raise TypeError(f"{what} takes a list of sequence ids, not {type(seq_ids).__name__}; e.g. [{seq_ids!r}]")
     return list(seq_ids)
+
+
+def _int_list(values, name: str) -> list:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a list of ints, not {type(values).__name__}; e.g. [{values!r}]")
+    return list(values)
 
 
 def _device(kind: str):
