@@ -16,6 +16,7 @@ from conftest import to_dev
 import tvmkv
 from tvmkv import build, interop
 from tvmkv.reference import ops as ref
+from tvmkv.testing import make_cache
 
 L, H_QO, H_KV, D, P = 2, 4, 2, 64, 4
 CFG = dict(
@@ -27,7 +28,7 @@ PAGED = ("ksana", "nhd", "hnd")
 
 @pytest.fixture
 def cache(target):
-    return tvmkv.PagedAttentionKVCache(L, H_QO, H_KV, D, target=target, **CFG)
+    return make_cache(target, num_layers=L, num_qo_heads=H_QO, num_kv_heads=H_KV, head_dim=D, **CFG)
 
 
 def _fill(cache, rng, lengths: dict) -> dict:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tvmkv
+from tvmkv import testing
 from tvmkv.reference.cache_model import CacheModel
 from tvmkv.runtime.radix import RadixPrefixCache
 
@@ -16,23 +17,15 @@ ATOL = RTOL = 1e-4  # fp32 cache vs the fp64 model
 def make_cache(target, *, page_size, num_pages, small=False):
     """Two configurations whose kernels the other tests build too: P=16 GQA 4 (``small=False``) and
     a tiny P=4 one with sliding-window kernels (``small=True``). RoPE "normal" (K stored rotated)."""
-    if small:
-        heads, dim, sliding = (2, 1), 16, True
-    else:
-        heads, dim, sliding = (8, 2), 64, False
-    return tvmkv.PagedAttentionKVCache(
-        2,
-        *heads,
-        dim,
+    shape = dict(num_qo_heads=2, num_kv_heads=1, head_dim=16, sliding=True) if small else dict(num_qo_heads=8)
+    return testing.make_cache(
+        target,
+        **shape,
         page_size=page_size,
-        max_batch_size=16,
+        num_pages=num_pages,
         max_total_seq_len=min(256, num_pages * page_size),
         prefill_chunk_size=1024,
-        dtype="float32",
         rope_mode="normal",
-        support_sliding_window=sliding,
-        target=target,
-        num_pages=num_pages,
     )
 
 

@@ -15,7 +15,7 @@ import tvm
 from conftest import device_of, to_dev
 
 import tvmkv
-from tvmkv import OutOfPagesError, SequenceSwappedError
+from tvmkv import OutOfPagesError, SequenceSwappedError, testing
 from tvmkv.errors import ForwardStateError
 from tvmkv.reference.ops import gather_pages_ref, scatter_pages_ref
 from tvmkv.replay import Replayer
@@ -27,20 +27,16 @@ SHAPE = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=64)
 
 
 def make_cache(target, dtype="float32", *, num_pages=None, page_size=16, chunk=64, batch=8):
-    total = 512 if num_pages is None else num_pages * page_size
-    return tvmkv.PagedAttentionKVCache(
-        SHAPE["num_layers"],
-        SHAPE["num_qo_heads"],
-        SHAPE["num_kv_heads"],
-        SHAPE["head_dim"],
-        page_size=page_size,
-        max_batch_size=batch,
-        max_total_seq_len=total,
-        prefill_chunk_size=chunk,
+    """A cache of the tiny Llama's shape, RoPE "normal"; ``max_total_seq_len`` fills ``num_pages``."""
+    return testing.make_cache(
+        target,
+        **SHAPE,
         dtype=dtype,
         rope_mode="normal",
-        target=target,
+        page_size=page_size,
         num_pages=num_pages,
+        prefill_chunk_size=chunk,
+        max_batch_size=batch,
     )
 
 
