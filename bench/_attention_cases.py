@@ -120,7 +120,7 @@ def decode_split_of(c, forced=None):
     import tvm
 
     from tvmkv.runtime.decode_split import plan_split
-    from tvmkv.tir.decode_plan import split_granule
+    from tvmkv.tir import split_granule
     from tvmkv.tir.spec import KernelSpec
 
     blocks, tile = split_granule(KernelSpec(H_QO, H_KV, D, P, DTYPE, "cuda"))

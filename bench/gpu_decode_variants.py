@@ -89,7 +89,7 @@ def check_cases():
 
 def prepare(arch: str, out: Path) -> None:
     from tvmkv.build import compile_funcs, export_module
-    from tvmkv.tir._attn_common import build_attention
+    from tvmkv.tir.attention_generic import build_attention
     from tvmkv.tir.decode import make_paged_decode
     from tvmkv.tir.decode_cuda import make_paged_decode_cuda
 

@@ -8,7 +8,7 @@ may build into one directory. The in-process cache and the file names derive fro
 
 Kernel families: ``kvcache`` (``tvmkv.tir.kernel_set``, what every cache loads) and families that
 are compiled lazily by the features that use them, into artifacts of their own named
-``<family>_<tag>.so`` (``interop``: ``tvmkv.tir.layout``, the foreign-layout copies). A family's
+``<family>_<tag>.so`` (``interop``: ``tvmkv.tir.interop``, the foreign-layout copies). A family's
 modules listed in :data:`FAMILY_MODULES` are left out of the ``kvcache`` sources hash, so editing
 them does not make cache kernel sets stale.
 
@@ -57,7 +57,7 @@ NVCC_DIAG_SUPPRESS = "177,550,1046"  # unused variable, set-but-unused, inexact 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = 1
 
-FAMILY_MODULES = {"kvcache": (), "interop": ("layout.py", "layout_shapes.py")}  # tir modules only that family builds
+FAMILY_MODULES = {"kvcache": (), "interop": ("interop.py", "foreign_layouts.py")}  # tir modules only that family builds
 _LOADED: dict = {}  # BuildKey -> KernelLibrary (this process)
 STATS = {"compiles": 0, "disk_loads": 0, "memory_hits": 0, "nvcc_compiles": 0, "nvcc_cache_hits": 0}
 
@@ -510,9 +510,9 @@ def family_kernels(key: BuildKey) -> dict:
     from . import tir
 
     if key.family == "interop":
-        from .tir import layout
+        from .tir import interop
 
-        return layout.kernel_set(key.spec)
+        return interop.kernel_set(key.spec)
     return tir.kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding)
 
 
@@ -604,7 +604,7 @@ def load_kernels(
     """Kernels for one configuration: from this process's cache, else ``build/``, else compiled.
 
     ``family`` "kvcache" is a cache's kernel set; "interop" the foreign-layout copies of
-    ``tvmkv.tir.layout`` (``rope_mode`` and ``sliding`` do not apply to it).
+    ``tvmkv.tir.interop`` (``rope_mode`` and ``sliding`` do not apply to it).
     """
     import tvm
 

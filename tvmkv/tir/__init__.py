@@ -2,11 +2,32 @@
 
 Each factory is a pure function of a :class:`KernelSpec` (plus keyword-only variant flags) that
 returns a ``tvm.tirx.PrimFunc`` with runtime sizes symbolic. Nothing here compiles or does I/O;
-``tvmkv.build`` does that.
+``tvmkv.build`` does that. Every kernel role has one signature (a ``*_func(spec, body)`` builder);
+the llvm and cuda schedules are macros passed to it.
+
+Modules:
+
+* ``spec``: :class:`KernelSpec`, the static parameters.
+* ``_kernel_common``: the helpers every family shares (the macro decorator, named state slots,
+  function attributes, the data-movement CUDA block shape, the RoPE frequency).
+* attention: ``attention`` (the signatures of paged prefill, ragged prefill, paged decode and its
+  split), ``attention_generic`` (the generic schedule, llvm and cuda), ``prefill_cuda`` and
+  ``decode_cuda`` (the fast CUDA schedules), ``prefill`` / ``ragged`` / ``decode`` (the factories,
+  which pick the schedule; ``decode`` also holds the llvm split decode), ``decode_layout`` (the
+  CUDA decode's static layout and :func:`split_granule`; no TVM import).
+* data movement: ``append``, ``rope`` (``split_rope``), ``merge`` (``merge_state``,
+  ``merge_splits``), ``page_ops`` (``copy_page``, ``compact_copy``, ``gather``, ``gather_pages``,
+  ``scatter_pages``).
+* interop family (built lazily, not in :func:`kernel_set`): ``interop`` (copies to and from foreign
+  layouts) and ``foreign_layouts`` (:data:`LAYOUTS`, :func:`foreign_shape`; no TVM import).
+
+Importing this package does not import TVM's compiler: the exports below are plain Python.
 """
 
 from __future__ import annotations
 
+from .decode_layout import split_granule
+from .foreign_layouts import LAYOUTS, foreign_shape
 from .spec import KernelSpec
 
 ROPE_MODES = ("none", "normal", "inline")
@@ -46,4 +67,4 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
     return kernels
 
 
-__all__ = ["KernelSpec", "kernel_set", "ROPE_MODES"]
+__all__ = ["KernelSpec", "kernel_set", "ROPE_MODES", "split_granule", "LAYOUTS", "foreign_shape"]

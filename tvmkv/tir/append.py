@@ -1,22 +1,33 @@
-"""Append new tokens' K and V into the page pool. See docs/layout.md ("Pages") for the layout.
-
-Also home of :func:`heads_per_block`, the CUDA block shape shared by the data-movement kernels
-(``append``, ``split_rope``, ``merge_state`` and the page ops): ``threadIdx.x`` runs over the head
-dimension (or half of it), ``threadIdx.y`` over a few heads, ``blockIdx`` over tokens and head chunks.
-"""
+# ruff: noqa: F821, F841
+# (the signature binds the buffers its body macros read by name, which ruff cannot see)
+"""Append new tokens' K and V into the page pool. See docs/layout.md ("Pages") for the layout."""
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ._kernel_common import FUNC_ATTRS, heads_per_block, macro
 from .spec import KernelSpec
 
-MAX_THREADS = 256  # threads per CUDA block of the data-movement kernels
 
+def append_func(spec: KernelSpec, body):
+    """The ``append`` PrimFunc of ``spec`` around ``body``, a macro without arguments; one signature
+    for every target. The parameters are those of :func:`make_append`; ``body`` reads them by name
+    (size ``n``, the number of tokens)."""
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
 
-def heads_per_block(num_heads: int, threads_x: int) -> int:
-    """Heads one CUDA block handles (``threadIdx.y`` extent) when ``threads_x`` threads cover one head."""
-    return max(1, min(num_heads, MAX_THREADS // threads_x))
+    @T.prim_func
+    def append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_slot: T.handle):
+        T.func_attr(FUNC_ATTRS)
+        num_pages = T.int32()
+        n = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        k = T.match_buffer(var_k, (n, H, D), dtype)
+        v = T.match_buffer(var_v, (n, H, D), dtype)
+        slot = T.match_buffer(var_slot, (n,), "int32")
+        body()
+
+    return append
 
 
 def make_append(spec: KernelSpec):
@@ -32,39 +43,21 @@ def make_append(spec: KernelSpec):
     slot : [n], int32
         ``page_id * P + offset`` of each token, or negative to skip it.
     """
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY  # head chunks (blockIdx.y)
 
-    if spec.is_cpu:
+    @macro
+    def cpu_body():
+        for i in T.parallel(n):
+            if slot[i] >= 0:
+                for h in T.serial(H):
+                    for d in T.vectorized(D):
+                        pages[slot[i] // P, 0, h, slot[i] % P, d] = k[i, h, d]
+                        pages[slot[i] // P, 1, h, slot[i] % P, d] = v[i, h, d]
 
-        @T.prim_func
-        def append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_slot: T.handle):
-            T.func_attr({"tir.noalias": True})
-            num_pages = T.int32()
-            n = T.int32()
-            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-            k = T.match_buffer(var_k, (n, H, D), dtype)
-            v = T.match_buffer(var_v, (n, H, D), dtype)
-            slot = T.match_buffer(var_slot, (n,), "int32")
-            for i in T.parallel(n):
-                if slot[i] >= 0:
-                    for h in T.serial(H):
-                        for d in T.vectorized(D):
-                            pages[slot[i] // P, 0, h, slot[i] % P, d] = k[i, h, d]
-                            pages[slot[i] // P, 1, h, slot[i] % P, d] = v[i, h, d]
-
-        return append
-
-    @T.prim_func
-    def append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_slot: T.handle):
-        T.func_attr({"tir.noalias": True})
-        num_pages = T.int32()
-        n = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-        k = T.match_buffer(var_k, (n, H, D), dtype)
-        v = T.match_buffer(var_v, (n, H, D), dtype)
-        slot = T.match_buffer(var_slot, (n,), "int32")
+    @macro
+    def gpu_body():
         for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
             for hb in T.thread_binding(HB, thread="blockIdx.y"):
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
@@ -75,4 +68,4 @@ def make_append(spec: KernelSpec):
                                 pages[slot[i] // P, 0, h, slot[i] % P, d] = k[i, h, d]
                                 pages[slot[i] // P, 1, h, slot[i] % P, d] = v[i, h, d]
 
-    return append
+    return append_func(spec, cpu_body if spec.is_cpu else gpu_body)

@@ -1,18 +1,24 @@
 # ruff: noqa: F821
-# (the split kernel's body is a macro naming the buffers of the shared signature, which ruff cannot see)
+# (the split kernel's body is a macro reading the parameters of its signature, tvmkv.tir.attention,
+# by name, which ruff cannot see)
 """Paged decode attention: one query token per sequence over its pages. See docs/layout.md
 ("Split decode" for ``paged_decode_split``)."""
 
 from __future__ import annotations
 
-import math
-
 from tvm.script import tirx as T
 
-from ._attn_common import _macro, build_attention, decode_func
+from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
+from .attention import decode_func
+from .attention_generic import build_attention
 from .spec import KernelSpec
 
-LOG2E = math.log2(math.e)
+# Named slots of the llvm split kernel's state (see _kernel_common.slots): the sequence's visited keys
+# are its slots [0, n1) then [start2, kv_len) (the sink, then the window; all of them without one);
+# this chunk visits keys [x0, x1) of them; sink / offset: the window's sink_end and position offset
+SPLIT_SEQ = slots("kv_len", "n1", "start2", "sink", "offset", "x0", "x1")
+SPLIT_KEY = slots("j", "page")  # the visited key: its slot j in the sequence, its page id
+SPLIT_SOFTMAX = slots("s", "m_new", "alpha", "p")  # score, new running max, rescale factor, probability
 
 
 def make_paged_decode(spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False):
@@ -47,7 +53,7 @@ def make_paged_decode(spec: KernelSpec, *, sliding: bool = False, inline_rope: b
 def make_paged_decode_split(spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False):
     """``paged_decode`` cut along the keys (flash-decoding): one partial state per chunk, merged by
     ``merge_splits`` (:mod:`tvmkv.tir.merge`). ``None`` where the target has no split kernel (cuda
-    shapes outside the fast layout of :mod:`tvmkv.tir.decode_plan`).
+    shapes outside the fast layout of :mod:`tvmkv.tir.decode_layout`).
 
     Chunk ``c`` covers the visited keys ``[c * kv_chunk, (c + 1) * kv_chunk)`` of each sequence, the
     visited keys being its valid slots in slot order (the sink, then the window). On cuda it is the
@@ -86,44 +92,42 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
         def at(e):
             return T.Cast("float32", buf[(*row, e)])
 
-        ang = T.Cast("float32", pos) * (
-            rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * (d % HALF)) / T.float32(D))
-        )
+        ang = T.Cast("float32", pos) * rope_inv_freq(rope_scale, rope_theta, d % HALF, D)
         other = T.if_then_else(d < HALF, -at(T.min(d + HALF, D - 1)), at(T.max(d - HALF, 0)))
         return at(d) * T.cos(ang) + other * T.sin(ang)
 
-    @_macro
+    @macro
     def body():
         for it in T.parallel(NSPLIT * B * H_kv):
             # it = (chunk ch, sequence b, kv head hk); the work item keeps the group's query heads
-            seq = T.alloc_buffer((7,), "int32", scope="local")  # kv_len, n1, start2, sink, offset, x0, x1
+            seq = T.alloc_buffer((len(SPLIT_SEQ),), "int32", scope="local")
             Q = T.alloc_buffer((group, D), "float32", scope="local")  # q * sm_scale * log2(e), rotated
             O = T.alloc_buffer((group, D), "float32", scope="local")
             m = T.alloc_buffer((group,), "float32", scope="local")
             l_sum = T.alloc_buffer((group,), "float32", scope="local")
             Kf = T.alloc_buffer((D,), "float32", scope="local")
-            st = T.alloc_buffer((4,), "float32", scope="local")  # score, new max, rescale, p
-            ks = T.alloc_buffer((2,), "int32", scope="local")  # slot j, key row in the pool
+            st = T.alloc_buffer((len(SPLIT_SOFTMAX),), "float32", scope="local")
+            ks = T.alloc_buffer((len(SPLIT_KEY),), "int32", scope="local")
             ch = T.meta_var(it % NSPLIT)
             b = T.meta_var(it // NSPLIT // H_kv)
             hk = T.meta_var(it // NSPLIT % H_kv)
-            seq[0] = 0
+            seq[SPLIT_SEQ.kv_len] = 0
             if page_indptr[b + 1] > page_indptr[b]:
-                seq[0] = (page_indptr[b + 1] - page_indptr[b] - 1) * P + last_page_len[b]
+                seq[SPLIT_SEQ.kv_len] = (page_indptr[b + 1] - page_indptr[b] - 1) * P + last_page_len[b]
             if sliding:  # visited keys: slots [0, n1) then [start2, kv_len)
-                seq[3] = kv_window[b, 0]
-                seq[4] = kv_window[b, 2]
-                seq[1] = T.max(T.min(seq[3], seq[0]), 0)
-                seq[2] = T.max(kv_window[b, 1], seq[1])
-                seq[6] = seq[1] + T.max(seq[0] - seq[2], 0)
+                seq[SPLIT_SEQ.sink] = kv_window[b, 0]
+                seq[SPLIT_SEQ.offset] = kv_window[b, 2]
+                seq[SPLIT_SEQ.n1] = T.max(T.min(seq[SPLIT_SEQ.sink], seq[SPLIT_SEQ.kv_len]), 0)
+                seq[SPLIT_SEQ.start2] = T.max(kv_window[b, 1], seq[SPLIT_SEQ.n1])
+                seq[SPLIT_SEQ.x1] = seq[SPLIT_SEQ.n1] + T.max(seq[SPLIT_SEQ.kv_len] - seq[SPLIT_SEQ.start2], 0)
             else:
-                seq[1] = seq[0]
-                seq[2] = seq[0]
-                seq[3] = 0
-                seq[4] = 0
-                seq[6] = seq[0]
-            seq[5] = ch * kv_chunk
-            seq[6] = T.min(seq[6], seq[5] + kv_chunk)
+                seq[SPLIT_SEQ.n1] = seq[SPLIT_SEQ.kv_len]
+                seq[SPLIT_SEQ.start2] = seq[SPLIT_SEQ.kv_len]
+                seq[SPLIT_SEQ.sink] = 0
+                seq[SPLIT_SEQ.offset] = 0
+                seq[SPLIT_SEQ.x1] = seq[SPLIT_SEQ.kv_len]
+            seq[SPLIT_SEQ.x0] = ch * kv_chunk
+            seq[SPLIT_SEQ.x1] = T.min(seq[SPLIT_SEQ.x1], seq[SPLIT_SEQ.x0] + kv_chunk)
             for g, d in T.grid(group, D):
                 if rope:
                     Q[g, d] = rotated(q, (b, hk * group + g), d, q_pos[b], rope_scale, rope_theta) * (
@@ -135,32 +139,40 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
             for g in T.serial(group):
                 m[g] = neg_inf
                 l_sum[g] = T.float32(0)
-            for x in T.serial(T.max(seq[6] - seq[5], 0)):
-                ks[0] = T.if_then_else(seq[5] + x < seq[1], seq[5] + x, seq[5] + x - seq[1] + seq[2])
-                ks[1] = page_indices[page_indptr[b] + (ks[0] >> LOGP)]
+            for x in T.serial(T.max(seq[SPLIT_SEQ.x1] - seq[SPLIT_SEQ.x0], 0)):
+                ks[SPLIT_KEY.j] = T.if_then_else(
+                    seq[SPLIT_SEQ.x0] + x < seq[SPLIT_SEQ.n1],
+                    seq[SPLIT_SEQ.x0] + x,
+                    seq[SPLIT_SEQ.x0] + x - seq[SPLIT_SEQ.n1] + seq[SPLIT_SEQ.start2],
+                )
+                ks[SPLIT_KEY.page] = page_indices[page_indptr[b] + (ks[SPLIT_KEY.j] >> LOGP)]
+                j = T.meta_var(ks[SPLIT_KEY.j])
+                page = T.meta_var(ks[SPLIT_KEY.page])
                 for d in T.serial(D):
                     if rope:
                         Kf[d] = rotated(
                             pages,
-                            (ks[1], 0, hk, ks[0] & PMASK),
+                            (page, 0, hk, j & PMASK),
                             d,
-                            T.if_then_else(ks[0] < seq[3], ks[0], ks[0] + seq[4]),
+                            T.if_then_else(j < seq[SPLIT_SEQ.sink], j, j + seq[SPLIT_SEQ.offset]),
                             rope_scale,
                             rope_theta,
                         )
                     else:
-                        Kf[d] = T.Cast("float32", pages[ks[1], 0, hk, ks[0] & PMASK, d])
+                        Kf[d] = T.Cast("float32", pages[page, 0, hk, j & PMASK, d])
                 for g in T.serial(group):
-                    st[0] = T.float32(0)
+                    st[SPLIT_SOFTMAX.s] = T.float32(0)
                     for d in T.serial(D):
-                        st[0] = st[0] + Q[g, d] * Kf[d]
-                    st[1] = T.max(m[g], st[0])
-                    st[2] = T.exp2(m[g] - st[1])
-                    st[3] = T.exp2(st[0] - st[1])
-                    l_sum[g] = l_sum[g] * st[2] + st[3]
+                        st[SPLIT_SOFTMAX.s] = st[SPLIT_SOFTMAX.s] + Q[g, d] * Kf[d]
+                    st[SPLIT_SOFTMAX.m_new] = T.max(m[g], st[SPLIT_SOFTMAX.s])
+                    st[SPLIT_SOFTMAX.alpha] = T.exp2(m[g] - st[SPLIT_SOFTMAX.m_new])
+                    st[SPLIT_SOFTMAX.p] = T.exp2(st[SPLIT_SOFTMAX.s] - st[SPLIT_SOFTMAX.m_new])
+                    l_sum[g] = l_sum[g] * st[SPLIT_SOFTMAX.alpha] + st[SPLIT_SOFTMAX.p]
                     for d in T.serial(D):
-                        O[g, d] = O[g, d] * st[2] + st[3] * T.Cast("float32", pages[ks[1], 1, hk, ks[0] & PMASK, d])
-                    m[g] = st[1]
+                        O[g, d] = O[g, d] * st[SPLIT_SOFTMAX.alpha] + st[SPLIT_SOFTMAX.p] * T.Cast(
+                            "float32", pages[page, 1, hk, j & PMASK, d]
+                        )
+                    m[g] = st[SPLIT_SOFTMAX.m_new]
             for g in T.serial(group):
                 # no key: l == 0 -> o = 0, lse = -inf
                 if l_sum[g] == T.float32(0):

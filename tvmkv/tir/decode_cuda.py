@@ -31,23 +31,40 @@ Design (one query token per sequence, so the kernel is a pure stream over the se
   rotate-half partner element lives in lane ``lt ^ TPK/2`` of the same sub-warp (one shuffle).
 
 Shapes the fast path does not cover (``D / VEC`` without a power-of-two factor that leaves at most
-32 elements per lane, e.g. D = 80) use the generic schedule of ``_attn_common``.
+32 elements per lane, e.g. D = 80) use the generic schedule of :mod:`tvmkv.tir.attention_generic`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 from tvm.script import tirx as T
 
-from ._attn_common import _macro, decode_func
-from .decode_plan import DEFAULT_WARPS, LOAD_BYTES, REG_FLOATS, WARP, decode_layout, elem_bytes
+from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
+from .attention import decode_func
+from .decode_layout import DEFAULT_WARPS, LOAD_BYTES, REG_FLOATS, WARP, decode_layout, elem_bytes
 from .spec import KernelSpec
 
-LOG2E = math.log2(math.e)
 DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
 STAGE_BYTES = 96 * 1024  # cap on the staging ring per block
 CP16 = "cp.async.cg.shared.global"
+
+# Named slots (see _kernel_common.slots). DSEQ, the block's sequence: its first page entry
+# (page_base), the end of the visited keys it scans, the sink keys visited first (n1), the first
+# window slot (start2), sink_end (sink), the window's position offset and the first visited key it
+# scans (x0; the chunk's when split)
+DSEQ = slots("page_base", "end", "n1", "start2", "sink", "offset", "x0")
+# st: SCRATCH float32 registers, named per phase: rotating a key (ROTATE), the online softmax of a
+# tile (TILE: new max, the finite base it subtracts, rescale of the old state, a key's probability),
+# merging lane groups (MERGE: ... the other group's rescale) and warps (FINAL: max, base, sum, weight)
+SCRATCH = 4
+ROTATE = slots("angle")
+TILE = slots("m_new", "base", "alpha", "p")
+MERGE = slots("m_new", "base", "alpha", "beta")
+FINAL = slots("m", "base", "l_sum", "w")
+# the thread's coordinates and local buffers, passed to the helper macros
+DecodeThread = namedtuple("DecodeThread", "hk w sub lt tx seq pid kb vb stg Qr O m l_sum S st kr fr acc")
 
 
 def make_paged_decode_cuda(
@@ -76,7 +93,7 @@ def make_paged_decode_cuda(
     if lay is None:
         if split:
             return None
-        from ._attn_common import build_attention
+        from .attention_generic import build_attention
 
         return build_attention(spec, source="decode", mask="none", sliding=sliding, inline_rope=inline_rope)
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
@@ -109,16 +126,16 @@ def make_paged_decode_cuda(
 
     def x_base(seq):
         # first visited key this block scans
-        return seq[6] if split else 0
+        return seq[DSEQ.x0] if split else 0
 
     def x_of(t, u, w, sub, seq):
         # visited-key index of key u of lane group (w, sub) in tile t (tiles start at the chunk's
-        # first key seq[6] when split)
+        # first key seq[DSEQ.x0] when split)
         return x_base(seq) + t * KB + w * (KPW * U) + u * KPW + sub
 
     def xc(t, u, w, sub, seq):
         # the same, clamped to the last visited key (loads past the end re-read it; masked later)
-        return T.min(x_of(t, u, w, sub, seq), seq[1] - 1)
+        return T.min(x_of(t, u, w, sub, seq), seq[DSEQ.end] - 1)
 
     def key_slot(x, n1, start2):
         # x-th visited key -> slot index j within the sequence
@@ -128,103 +145,119 @@ def make_paged_decode_cuda(
 
     def slot_of(t, u, w, sub, seq):
         # slot index j (within the sequence) of that key, clamped
-        return key_slot(xc(t, u, w, sub, seq), seq[2], seq[3])
+        return key_slot(xc(t, u, w, sub, seq), seq[DSEQ.n1], seq[DSEQ.start2])
 
     def key_pos(j, sink, offset):
         if sliding:
             return T.if_then_else(j < sink, j, j + offset)
         return j
 
-    @_macro
-    def load_tile(buf, t):
+    @macro
+    def load_tile(th, buf, t):
         # issue every K and V load of tile t into buffer buf (keys past the end re-read the last
         # key), then fetch the page ids of tile t + NB (same buffer) behind them
         for u in T.unroll(U):
             for c in T.unroll(NC):
                 for v in T.vectorized(VEC):
-                    kb[buf, u, c * VEC + v] = pages[
-                        pid[buf, u], 0, hk, slot_of(t, u, w, sub, seq) & PMASK, lt * E + c * VEC + v
+                    th.kb[buf, u, c * VEC + v] = pages[
+                        th.pid[buf, u],
+                        0,
+                        th.hk,
+                        slot_of(t, u, th.w, th.sub, th.seq) & PMASK,
+                        th.lt * E + c * VEC + v,
                     ]
             for c in T.unroll(NC):
                 for v in T.vectorized(VEC):
-                    vb[buf, u, c * VEC + v] = pages[
-                        pid[buf, u], 1, hk, slot_of(t, u, w, sub, seq) & PMASK, lt * E + c * VEC + v
+                    th.vb[buf, u, c * VEC + v] = pages[
+                        th.pid[buf, u],
+                        1,
+                        th.hk,
+                        slot_of(t, u, th.w, th.sub, th.seq) & PMASK,
+                        th.lt * E + c * VEC + v,
                     ]
         for u in T.unroll(U):
-            pid[buf, u] = page_indices[seq[0] + (slot_of(t + NB, u, w, sub, seq) >> LOGP)]
+            th.pid[buf, u] = page_indices[th.seq[DSEQ.page_base] + (slot_of(t + NB, u, th.w, th.sub, th.seq) >> LOGP)]
 
-    @_macro
-    def issue_tile(t, s):
+    @macro
+    def issue_tile(th, t, s):
         # cp.async every K and V chunk of tile t into ring stage s, commit, then fetch the next page ids
         for u in T.unroll(U):
+            j = T.meta_var(slot_of(t, u, th.w, th.sub, th.seq) & PMASK)
             for c in T.unroll(NC):
                 T.ptx[CP16](
-                    stg.ptr_to([s, u, 0, c, tx, 0]),
-                    pages.ptr_to([pid[0, u], 0, hk, slot_of(t, u, w, sub, seq) & PMASK, lt * E + c * VEC]),
+                    th.stg.ptr_to([s, u, 0, c, th.tx, 0]),
+                    pages.ptr_to([th.pid[0, u], 0, th.hk, j, th.lt * E + c * VEC]),
                     16,
                 )
             for c in T.unroll(NC):
                 T.ptx[CP16](
-                    stg.ptr_to([s, u, 1, c, tx, 0]),
-                    pages.ptr_to([pid[0, u], 1, hk, slot_of(t, u, w, sub, seq) & PMASK, lt * E + c * VEC]),
+                    th.stg.ptr_to([s, u, 1, c, th.tx, 0]),
+                    pages.ptr_to([th.pid[0, u], 1, th.hk, j, th.lt * E + c * VEC]),
                     16,
                 )
         T.ptx["cp.async.commit_group"]()
         for u in T.unroll(U):
-            pid[0, u] = page_indices[seq[0] + (slot_of(t + 1, u, w, sub, seq) >> LOGP)]
+            th.pid[0, u] = page_indices[th.seq[DSEQ.page_base] + (slot_of(t + 1, u, th.w, th.sub, th.seq) >> LOGP)]
 
-    @_macro
-    def read_stage(s):
+    @macro
+    def read_stage(th, s):
         for u in T.unroll(U):
             for c in T.unroll(NC):
                 for v in T.vectorized(VEC):
-                    kb[0, u, c * VEC + v] = stg[s, u, 0, c, tx, v]
+                    th.kb[0, u, c * VEC + v] = th.stg[s, u, 0, c, th.tx, v]
             for c in T.unroll(NC):
                 for v in T.vectorized(VEC):
-                    vb[0, u, c * VEC + v] = stg[s, u, 1, c, tx, v]
+                    th.vb[0, u, c * VEC + v] = th.stg[s, u, 1, c, th.tx, v]
 
-    @_macro
-    def compute_tile(buf, t):
+    @macro
+    def compute_tile(th, buf, t):
+        seq = T.meta_var(th.seq)
+        st = T.meta_var(th.st)
+        kr = T.meta_var(th.kr)
+        acc = T.meta_var(th.acc)
         # scores S[g, u] (reduced over the TPK lanes of a key; -inf past the end)
         for u in T.unroll(U):
             if rope:
                 for e in T.unroll(E):
-                    kr[e] = T.Cast("float32", kb[buf, u, e])
+                    kr[e] = T.Cast("float32", th.kb[buf, u, e])
                 for e in T.unroll(E):
                     acc[0] = shfl_xor(T.uint32(FULL), kr[e], HT, WARP)
-                    st[0] = T.Cast("float32", key_pos(slot_of(t, u, w, sub, seq), seq[4], seq[5])) * fr[e]
-                    if lt < HT:
-                        kr[e] = kr[e] * T.cos(st[0]) - acc[0] * T.sin(st[0])
+                    st[ROTATE.angle] = (
+                        T.Cast("float32", key_pos(slot_of(t, u, th.w, th.sub, seq), seq[DSEQ.sink], seq[DSEQ.offset]))
+                        * th.fr[e]
+                    )
+                    if th.lt < HT:
+                        kr[e] = kr[e] * T.cos(st[ROTATE.angle]) - acc[0] * T.sin(st[ROTATE.angle])
                     else:
-                        kr[e] = kr[e] * T.cos(st[0]) + acc[0] * T.sin(st[0])
+                        kr[e] = kr[e] * T.cos(st[ROTATE.angle]) + acc[0] * T.sin(st[ROTATE.angle])
             for g in T.unroll(GQ):
                 acc[0] = T.float32(0)
                 for e in T.unroll(E):
                     if rope:
-                        acc[0] = acc[0] + Qr[g, e] * kr[e]
+                        acc[0] = acc[0] + th.Qr[g, e] * kr[e]
                     else:
-                        acc[0] = acc[0] + Qr[g, e] * T.Cast("float32", kb[buf, u, e])
+                        acc[0] = acc[0] + th.Qr[g, e] * T.Cast("float32", th.kb[buf, u, e])
                 acc[0] = T.cuda.warp_reduce(acc[0], "sum", TPK)  # every lane: no divergence
-                S[g, u] = T.if_then_else(x_of(t, u, w, sub, seq) < seq[1], acc[0], T.float32(neg_inf))
+                th.S[g, u] = T.if_then_else(x_of(t, u, th.w, th.sub, seq) < seq[DSEQ.end], acc[0], T.float32(neg_inf))
         # online softmax (base 2) and O += P V
         for g in T.unroll(GQ):
-            st[0] = m[g]
+            st[TILE.m_new] = th.m[g]
             for u in T.unroll(U):
-                st[0] = T.max(st[0], S[g, u])
-            st[1] = T.if_then_else(st[0] == T.float32(neg_inf), T.float32(0), st[0])
-            st[2] = T.exp2(m[g] - st[1])
-            l_sum[g] = l_sum[g] * st[2]
+                st[TILE.m_new] = T.max(st[TILE.m_new], th.S[g, u])
+            st[TILE.base] = T.if_then_else(st[TILE.m_new] == T.float32(neg_inf), T.float32(0), st[TILE.m_new])
+            st[TILE.alpha] = T.exp2(th.m[g] - st[TILE.base])
+            th.l_sum[g] = th.l_sum[g] * st[TILE.alpha]
             for e in T.unroll(E):
-                O[g, e] = O[g, e] * st[2]
+                th.O[g, e] = th.O[g, e] * st[TILE.alpha]
             for u in T.unroll(U):
-                st[3] = T.exp2(S[g, u] - st[1])
-                l_sum[g] = l_sum[g] + st[3]
+                st[TILE.p] = T.exp2(th.S[g, u] - st[TILE.base])
+                th.l_sum[g] = th.l_sum[g] + st[TILE.p]
                 for e in T.unroll(E):
-                    O[g, e] = O[g, e] + st[3] * T.Cast("float32", vb[buf, u, e])
-            m[g] = st[0]
+                    th.O[g, e] = th.O[g, e] + st[TILE.p] * T.Cast("float32", th.vb[buf, u, e])
+            th.m[g] = st[TILE.m_new]
 
-    @_macro
-    def store(b, h, d, value, lse_value):
+    @macro
+    def store(ch, b, h, d, value, lse_value):
         # o / lse of (sequence b, query head h, element d) of this block (split: of its chunk ch)
         if split:
             o_part[ch, b, h, d] = value
@@ -235,7 +268,7 @@ def make_paged_decode_cuda(
             if d == 0:
                 lse[b, h] = lse_value
 
-    @_macro
+    @macro
     def body():
         # block bx = (sequence b, kv head hk, query-head slice, chunk ch): ch fastest, so the chunks of
         # one sequence run side by side
@@ -256,9 +289,7 @@ def make_paged_decode_cuda(
         # same ``extern __shared__`` array, and viewed in the cache dtype
         stg_raw = T.alloc_buffer((STG_WORDS,), "float32", scope="shared.dyn")
         stg = T.decl_buffer(STG_SHAPE, dtype, data=stg_raw.data, scope="shared.dyn")
-        # seq: page base, end of the visited keys to scan, sink keys visited first, first window slot,
-        # sink_end, offset, first visited key to scan (split: the chunk's)
-        seq = T.alloc_buffer((7,), "int32", scope="local")
+        seq = T.alloc_buffer((len(DSEQ),), "int32", scope="local")
         pid = T.alloc_buffer((NB, U), "int32", scope="local")  # page id of each key of the tile
         kb = T.alloc_buffer((NB, U, E), dtype, scope="local")
         vb = T.alloc_buffer((NB, U, E), dtype, scope="local")
@@ -267,35 +298,58 @@ def make_paged_decode_cuda(
         m = T.alloc_buffer((GQ,), "float32", scope="local")
         l_sum = T.alloc_buffer((GQ,), "float32", scope="local")
         S = T.alloc_buffer((GQ, U), "float32", scope="local")
-        st = T.alloc_buffer((4,), "float32", scope="local")  # scratch: new max, safe max, scale a, b
+        st = T.alloc_buffer((SCRATCH,), "float32", scope="local")  # named per phase: ROTATE, TILE, MERGE
         kr = T.alloc_buffer((E,), "float32", scope="local")  # rotated key (inline rope)
         fr = T.alloc_buffer((E,), "float32", scope="local")  # RoPE frequency of each lane element
         acc = T.alloc_buffer((1,), "float32", scope="local")
+        th = T.meta_var(
+            DecodeThread(
+                hk=hk,
+                w=w,
+                sub=sub,
+                lt=lt,
+                tx=tx,
+                seq=seq,
+                pid=pid,
+                kb=kb,
+                vb=vb,
+                stg=stg,
+                Qr=Qr,
+                O=O,
+                m=m,
+                l_sum=l_sum,
+                S=S,
+                st=st,
+                kr=kr,
+                fr=fr,
+                acc=acc,
+            )
+        )
 
         # ---- sequence extent: visited keys are [0, n1) then [start2, kv_len)
-        seq[0] = page_indptr[b]
-        seq[1] = 0
+        seq[DSEQ.page_base] = page_indptr[b]
+        seq[DSEQ.end] = 0
         if page_indptr[b + 1] > page_indptr[b]:
-            seq[1] = (page_indptr[b + 1] - page_indptr[b] - 1) * P + last_page_len[b]
+            seq[DSEQ.end] = (page_indptr[b + 1] - page_indptr[b] - 1) * P + last_page_len[b]
         if sliding:
-            seq[4] = kv_window[b, 0]
-            seq[5] = kv_window[b, 2]
-            seq[2] = T.max(T.min(seq[4], seq[1]), 0)
-            seq[3] = T.max(kv_window[b, 1], seq[2])
-            seq[1] = seq[2] + T.max(seq[1] - seq[3], 0)
+            seq[DSEQ.sink] = kv_window[b, 0]
+            seq[DSEQ.offset] = kv_window[b, 2]
+            seq[DSEQ.n1] = T.max(T.min(seq[DSEQ.sink], seq[DSEQ.end]), 0)
+            seq[DSEQ.start2] = T.max(kv_window[b, 1], seq[DSEQ.n1])
+            seq[DSEQ.end] = seq[DSEQ.n1] + T.max(seq[DSEQ.end] - seq[DSEQ.start2], 0)
         else:
-            seq[2] = seq[1]
-            seq[3] = seq[1]
-            seq[4] = 0
-            seq[5] = 0
-        if split:  # this block's chunk of the visited keys: [seq[6], seq[1])
-            seq[6] = ch * kv_chunk
-            seq[1] = T.min(seq[1], seq[6] + kv_chunk)
+            seq[DSEQ.n1] = seq[DSEQ.end]
+            seq[DSEQ.start2] = seq[DSEQ.end]
+            seq[DSEQ.sink] = 0
+            seq[DSEQ.offset] = 0
+        if split:  # this block's chunk of the visited keys: [x0, end)
+            seq[DSEQ.x0] = ch * kv_chunk
+            seq[DSEQ.end] = T.min(seq[DSEQ.end], seq[DSEQ.x0] + kv_chunk)
 
         # ---- q (pre-scaled, rotated once) and the running state
         if rope:
             for e in T.unroll(E):
-                fr[e] = rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * ((lt * E + e) % HALF)) / T.float32(D))
+                fr[e] = rope_inv_freq(rope_scale, rope_theta, (lt * E + e) % HALF, D)
         for g in T.unroll(GQ):
             m[g] = T.float32(neg_inf)
             l_sum[g] = T.float32(0)
@@ -319,44 +373,48 @@ def make_paged_decode_cuda(
 
         # ---- stream the keys: tile t, lane group (w, sub) takes keys t*KB + w*KPW*U + u*KPW + sub
         if CPA:
-            if seq[1] > x_base(seq):
+            if seq[DSEQ.end] > x_base(seq):
                 for u in T.unroll(U):
-                    pid[0, u] = page_indices[seq[0] + (slot_of(0, u, w, sub, seq) >> LOGP)]
+                    pid[0, u] = page_indices[seq[DSEQ.page_base] + (slot_of(0, u, w, sub, seq) >> LOGP)]
                 for p in T.unroll(NS - 1):
-                    issue_tile(p, p)
-            for t in T.serial(T.max(seq[1] - x_base(seq) + KB - 1, 0) // KB):
-                issue_tile(t + NS - 1, (t + NS - 1) % NS)
+                    issue_tile(th, p, p)
+            for t in T.serial(T.max(seq[DSEQ.end] - x_base(seq) + KB - 1, 0) // KB):
+                issue_tile(th, t + NS - 1, (t + NS - 1) % NS)
                 T.ptx["cp.async.wait_group"](NS - 1)
-                read_stage(t % NS)
-                compute_tile(0, t)
+                read_stage(th, t % NS)
+                compute_tile(th, 0, t)
             T.ptx["cp.async.wait_group"](0)
         else:
-            if seq[1] > x_base(seq):
+            if seq[DSEQ.end] > x_base(seq):
                 for par in T.unroll(NB):
                     for u in T.unroll(U):
-                        pid[par, u] = page_indices[seq[0] + (slot_of(par, u, w, sub, seq) >> LOGP)]
+                        pid[par, u] = page_indices[seq[DSEQ.page_base] + (slot_of(par, u, w, sub, seq) >> LOGP)]
                 if double_buffer:
-                    load_tile(0, 0)
-            for t2 in T.serial(T.max(seq[1] - x_base(seq) + KB * NB - 1, 0) // (KB * NB)):
+                    load_tile(th, 0, 0)
+            for t2 in T.serial(T.max(seq[DSEQ.end] - x_base(seq) + KB * NB - 1, 0) // (KB * NB)):
                 for par in T.unroll(NB):
                     if double_buffer:
-                        load_tile(1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
+                        load_tile(th, 1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
                     else:
-                        load_tile(0, t2)
-                    compute_tile(par, t2 * NB + par)
+                        load_tile(th, 0, t2)
+                    compute_tile(th, par, t2 * NB + par)
 
         # ---- merge the lane groups of a warp (xor shuffles), then the warps (shared memory)
         for r in T.unroll(KPW.bit_length() - 1):
             for g in T.unroll(GQ):
                 acc[0] = shfl_xor(T.uint32(FULL), m[g], TPK << r, WARP)
-                st[0] = T.max(m[g], acc[0])
-                st[1] = T.if_then_else(st[0] == T.float32(neg_inf), T.float32(0), st[0])
-                st[2] = T.exp2(m[g] - st[1])
-                st[3] = T.exp2(acc[0] - st[1])
-                l_sum[g] = l_sum[g] * st[2] + shfl_xor(T.uint32(FULL), l_sum[g], TPK << r, WARP) * st[3]
+                st[MERGE.m_new] = T.max(m[g], acc[0])
+                st[MERGE.base] = T.if_then_else(st[MERGE.m_new] == T.float32(neg_inf), T.float32(0), st[MERGE.m_new])
+                st[MERGE.alpha] = T.exp2(m[g] - st[MERGE.base])
+                st[MERGE.beta] = T.exp2(acc[0] - st[MERGE.base])
+                l_sum[g] = (
+                    l_sum[g] * st[MERGE.alpha] + shfl_xor(T.uint32(FULL), l_sum[g], TPK << r, WARP) * st[MERGE.beta]
+                )
                 for e in T.unroll(E):
-                    O[g, e] = O[g, e] * st[2] + shfl_xor(T.uint32(FULL), O[g, e], TPK << r, WARP) * st[3]
-                m[g] = st[0]
+                    O[g, e] = (
+                        O[g, e] * st[MERGE.alpha] + shfl_xor(T.uint32(FULL), O[g, e], TPK << r, WARP) * st[MERGE.beta]
+                    )
+                m[g] = st[MERGE.m_new]
         if sub == 0:
             for g in T.unroll(GQ):
                 if lt == 0:
@@ -367,20 +425,27 @@ def make_paged_decode_cuda(
         T.tvm_storage_sync("shared")
         for r in T.unroll(NOUT):
             if r * NT + tx < GQ * D:
-                st[0] = T.float32(neg_inf)
+                st[FINAL.m] = T.float32(neg_inf)
                 for k in T.unroll(NW):
-                    st[0] = T.max(st[0], Ms[k, (r * NT + tx) // D])
-                st[1] = T.if_then_else(st[0] == T.float32(neg_inf), T.float32(0), st[0])
-                st[2] = T.float32(0)
+                    st[FINAL.m] = T.max(st[FINAL.m], Ms[k, (r * NT + tx) // D])
+                st[FINAL.base] = T.if_then_else(st[FINAL.m] == T.float32(neg_inf), T.float32(0), st[FINAL.m])
+                st[FINAL.l_sum] = T.float32(0)
                 acc[0] = T.float32(0)
                 for k in T.unroll(NW):
-                    st[3] = T.exp2(Ms[k, (r * NT + tx) // D] - st[1])
-                    st[2] = st[2] + Ls[k, (r * NT + tx) // D] * st[3]
-                    acc[0] = acc[0] + Os[k, (r * NT + tx) // D, (r * NT + tx) % D] * st[3]
+                    st[FINAL.w] = T.exp2(Ms[k, (r * NT + tx) // D] - st[FINAL.base])
+                    st[FINAL.l_sum] = st[FINAL.l_sum] + Ls[k, (r * NT + tx) // D] * st[FINAL.w]
+                    acc[0] = acc[0] + Os[k, (r * NT + tx) // D, (r * NT + tx) % D] * st[FINAL.w]
                 # no key seen: l == 0 -> o = 0, lse = -inf; a NaN l (NaN input) propagates
-                if st[2] == T.float32(0):
-                    store(b, h0 + (r * NT + tx) // D, (r * NT + tx) % D, T.float32(0), T.float32(neg_inf))
+                if st[FINAL.l_sum] == T.float32(0):
+                    store(ch, b, h0 + (r * NT + tx) // D, (r * NT + tx) % D, T.float32(0), T.float32(neg_inf))
                 else:
-                    store(b, h0 + (r * NT + tx) // D, (r * NT + tx) % D, acc[0] / st[2], st[0] + T.log2(st[2]))
+                    store(
+                        ch,
+                        b,
+                        h0 + (r * NT + tx) // D,
+                        (r * NT + tx) % D,
+                        acc[0] / st[FINAL.l_sum],
+                        st[FINAL.m] + T.log2(st[FINAL.l_sum]),
+                    )
 
     return decode_func(spec, body, split=split)

@@ -1,17 +1,35 @@
+# ruff: noqa: F821, F841
+# (each signature binds the buffers its body macros read by name, which ruff cannot see)
 """Slot-level copies inside the page pool: fork a page, compact committed tree tokens, gather K/V;
 whole-page copies between the pool and a staging buffer (swap to host).
 
 Pages and slots are defined in docs/layout.md ("Pages"): ``slot = page_id * P + offset``. Every op
 copies K and V of all ``H_kv`` heads. CUDA mapping: ``threadIdx.x`` over the head dim, ``threadIdx.y``
-over a few heads (:func:`tvmkv.tir.append.heads_per_block`), ``blockIdx`` over slots / segments.
+over a few heads (:func:`tvmkv.tir._kernel_common.heads_per_block`), ``blockIdx`` over slots / segments.
+Each kernel role has one signature (``*_func(spec, body)``); the llvm and cuda bodies are macros.
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .append import heads_per_block
+from ._kernel_common import FUNC_ATTRS, heads_per_block, macro
 from .spec import KernelSpec
+
+
+def copy_page_func(spec: KernelSpec, body):
+    """The ``copy_page`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads
+    the parameters of :func:`make_copy_page` by name."""
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+
+    @T.prim_func
+    def copy_page(var_pages: T.handle, src_page: T.int32, dst_page: T.int32, num_slots: T.int32):
+        T.func_attr(FUNC_ATTRS)
+        num_pages = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        body()
+
+    return copy_page
 
 
 def make_copy_page(spec: KernelSpec):
@@ -27,30 +45,20 @@ def make_copy_page(spec: KernelSpec):
     num_slots : int32
         Slots to copy, ``0 <= num_slots <= P`` (larger values are clipped to ``P``).
     """
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
 
-    if spec.is_cpu:
+    @macro
+    def cpu_body():
+        for kh in T.parallel(2 * H):
+            for j in T.serial(P):
+                if j < num_slots:
+                    for d in T.vectorized(D):
+                        pages[dst_page, kh // H, kh % H, j, d] = pages[src_page, kh // H, kh % H, j, d]
 
-        @T.prim_func
-        def copy_page(var_pages: T.handle, src_page: T.int32, dst_page: T.int32, num_slots: T.int32):
-            T.func_attr({"tir.noalias": True})
-            num_pages = T.int32()
-            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-            for kh in T.parallel(2 * H):
-                for j in T.serial(P):
-                    if j < num_slots:
-                        for d in T.vectorized(D):
-                            pages[dst_page, kh // H, kh % H, j, d] = pages[src_page, kh // H, kh % H, j, d]
-
-        return copy_page
-
-    @T.prim_func
-    def copy_page(var_pages: T.handle, src_page: T.int32, dst_page: T.int32, num_slots: T.int32):
-        T.func_attr({"tir.noalias": True})
-        num_pages = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+    @macro
+    def gpu_body():
         for j in T.thread_binding(P, thread="blockIdx.x"):
             for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
@@ -59,7 +67,27 @@ def make_copy_page(spec: KernelSpec):
                         if j < num_slots and h < H:
                             pages[dst_page, hb // HB, h, j, d] = pages[src_page, hb // HB, h, j, d]
 
-    return copy_page
+    return copy_page_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+def compact_copy_func(spec: KernelSpec, body):
+    """The ``compact_copy`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
+    reads the parameters of :func:`make_compact_copy` by name (sizes ``S1``, segments + 1, and ``m``)."""
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+
+    @T.prim_func
+    def compact_copy(var_pages: T.handle, var_indptr: T.handle, var_src: T.handle, var_dst: T.handle):
+        T.func_attr(FUNC_ATTRS)
+        num_pages = T.int32()
+        S1 = T.int32()
+        m = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        copy_indptr = T.match_buffer(var_indptr, (S1,), "int32")
+        src_slot = T.match_buffer(var_src, (m,), "int32")
+        dst_slot = T.match_buffer(var_dst, (m,), "int32")
+        body()
+
+    return compact_copy
 
 
 def make_compact_copy(spec: KernelSpec):
@@ -79,42 +107,22 @@ def make_compact_copy(spec: KernelSpec):
     src_slot, dst_slot : [m], int32
         Source and destination slot of each entry.
     """
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
 
-    if spec.is_cpu:
+    @macro
+    def cpu_body():
+        for s in T.parallel(S1 - 1):
+            for e in T.serial(copy_indptr[s], copy_indptr[s + 1]):  # in order
+                src = T.meta_var(src_slot[e])
+                dst = T.meta_var(dst_slot[e])
+                for kv, h in T.grid(2, H):
+                    for d in T.vectorized(D):
+                        pages[dst // P, kv, h, dst % P, d] = pages[src // P, kv, h, src % P, d]
 
-        @T.prim_func
-        def compact_copy(var_pages: T.handle, var_indptr: T.handle, var_src: T.handle, var_dst: T.handle):
-            T.func_attr({"tir.noalias": True})
-            num_pages = T.int32()
-            S1 = T.int32()
-            m = T.int32()
-            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-            copy_indptr = T.match_buffer(var_indptr, (S1,), "int32")
-            src_slot = T.match_buffer(var_src, (m,), "int32")
-            dst_slot = T.match_buffer(var_dst, (m,), "int32")
-            for s in T.parallel(S1 - 1):
-                for e in T.serial(copy_indptr[s], copy_indptr[s + 1]):  # in order
-                    src = T.meta_var(src_slot[e])
-                    dst = T.meta_var(dst_slot[e])
-                    for kv, h in T.grid(2, H):
-                        for d in T.vectorized(D):
-                            pages[dst // P, kv, h, dst % P, d] = pages[src // P, kv, h, src % P, d]
-
-        return compact_copy
-
-    @T.prim_func
-    def compact_copy(var_pages: T.handle, var_indptr: T.handle, var_src: T.handle, var_dst: T.handle):
-        T.func_attr({"tir.noalias": True})
-        num_pages = T.int32()
-        S1 = T.int32()
-        m = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-        copy_indptr = T.match_buffer(var_indptr, (S1,), "int32")
-        src_slot = T.match_buffer(var_src, (m,), "int32")
-        dst_slot = T.match_buffer(var_dst, (m,), "int32")
+    @macro
+    def gpu_body():
         # One block per segment and head chunk. Each thread owns one (K/V, head, d) element and walks
         # the entries in order; entries only depend on each other through the same element, so
         # program order inside the thread is all the ordering needed (no barrier).
@@ -130,7 +138,26 @@ def make_compact_copy(spec: KernelSpec):
                                 for kv in T.unroll(2):
                                     pages[dst // P, kv, h, dst % P, d] = pages[src // P, kv, h, src % P, d]
 
-    return compact_copy
+    return compact_copy_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+def gather_func(spec: KernelSpec, body):
+    """The ``gather`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads the
+    parameters of :func:`make_gather` by name (size ``m``, the number of slots)."""
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+
+    @T.prim_func
+    def gather(var_pages: T.handle, var_slots: T.handle, var_k: T.handle, var_v: T.handle):
+        T.func_attr(FUNC_ATTRS)
+        num_pages = T.int32()
+        m = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        slots = T.match_buffer(var_slots, (m,), "int32")
+        k_out = T.match_buffer(var_k, (m, H, D), dtype)
+        v_out = T.match_buffer(var_v, (m, H, D), dtype)
+        body()
+
+    return gather
 
 
 def make_gather(spec: KernelSpec):
@@ -149,39 +176,21 @@ def make_gather(spec: KernelSpec):
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
 
-    if spec.is_cpu:
+    @macro
+    def cpu_body():
+        for e in T.parallel(m):
+            for h in T.serial(H):
+                if slots[e] >= 0:
+                    for d in T.vectorized(D):
+                        k_out[e, h, d] = pages[slots[e] // P, 0, h, slots[e] % P, d]
+                        v_out[e, h, d] = pages[slots[e] // P, 1, h, slots[e] % P, d]
+                else:
+                    for d in T.serial(D):  # serial: a vectorized bf16 constant store fails to legalize
+                        k_out[e, h, d] = T.cast(0, dtype)
+                        v_out[e, h, d] = T.cast(0, dtype)
 
-        @T.prim_func
-        def gather(var_pages: T.handle, var_slots: T.handle, var_k: T.handle, var_v: T.handle):
-            T.func_attr({"tir.noalias": True})
-            num_pages = T.int32()
-            m = T.int32()
-            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-            slots = T.match_buffer(var_slots, (m,), "int32")
-            k_out = T.match_buffer(var_k, (m, H, D), dtype)
-            v_out = T.match_buffer(var_v, (m, H, D), dtype)
-            for e in T.parallel(m):
-                for h in T.serial(H):
-                    if slots[e] >= 0:
-                        for d in T.vectorized(D):
-                            k_out[e, h, d] = pages[slots[e] // P, 0, h, slots[e] % P, d]
-                            v_out[e, h, d] = pages[slots[e] // P, 1, h, slots[e] % P, d]
-                    else:
-                        for d in T.serial(D):  # serial: a vectorized bf16 constant store fails to legalize
-                            k_out[e, h, d] = T.cast(0, dtype)
-                            v_out[e, h, d] = T.cast(0, dtype)
-
-        return gather
-
-    @T.prim_func
-    def gather(var_pages: T.handle, var_slots: T.handle, var_k: T.handle, var_v: T.handle):
-        T.func_attr({"tir.noalias": True})
-        num_pages = T.int32()
-        m = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-        slots = T.match_buffer(var_slots, (m,), "int32")
-        k_out = T.match_buffer(var_k, (m, H, D), dtype)
-        v_out = T.match_buffer(var_v, (m, H, D), dtype)
+    @macro
+    def gpu_body():
         for e in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
             for hb in T.thread_binding(HB, thread="blockIdx.y"):
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
@@ -195,7 +204,7 @@ def make_gather(spec: KernelSpec):
                                 k_out[e, h, d] = T.cast(0, dtype)
                                 v_out[e, h, d] = T.cast(0, dtype)
 
-    return gather
+    return gather_func(spec, cpu_body if spec.is_cpu else gpu_body)
 
 
 def make_gather_pages(spec: KernelSpec):
@@ -235,10 +244,30 @@ def make_scatter_pages(spec: KernelSpec):
     return _make_page_transfer(spec, to_staging=False)
 
 
+def page_transfer_func(spec: KernelSpec, body):
+    """The ``gather_pages`` / ``scatter_pages`` PrimFunc of ``spec`` around ``body``, a macro without
+    arguments, which reads the parameters of :func:`make_gather_pages` by name (sizes ``m``, the
+    number of pages, and ``L``, the layers of the staging buffer); both kernels share this signature."""
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+
+    @T.prim_func
+    def page_transfer(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
+        T.func_attr(FUNC_ATTRS)
+        num_pages = T.int32()
+        m = T.int32()
+        L = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        page_ids = T.match_buffer(var_ids, (m,), "int32")
+        staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
+        body()
+
+    return page_transfer
+
+
 def _make_page_transfer(spec: KernelSpec, *, to_staging: bool):
     """The one body of ``gather_pages`` (``to_staging``) and ``scatter_pages``: only which side of the
     element copy is the destination differs."""
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
 
@@ -247,34 +276,16 @@ def _make_page_transfer(spec: KernelSpec, *, to_staging: bool):
         ours, row = (page, kv, h, j, d), (i, layer, kv, h, j, d)
         return (staging, row, pages, ours) if to_staging else (pages, ours, staging, row)
 
-    if spec.is_cpu:
+    @macro
+    def cpu_body():
+        for i in T.parallel(m):
+            for kv, h, j in T.grid(2, H, P):
+                for d in T.vectorized(D):
+                    dst, di, src, si = T.meta_var(route(pages, staging, layer, i, page_ids[i], kv, h, j, d))
+                    dst[di] = src[si]
 
-        @T.prim_func
-        def page_transfer(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
-            T.func_attr({"tir.noalias": True})
-            num_pages = T.int32()
-            m = T.int32()
-            L = T.int32()
-            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-            page_ids = T.match_buffer(var_ids, (m,), "int32")
-            staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
-            for i in T.parallel(m):
-                for kv, h, j in T.grid(2, H, P):
-                    for d in T.vectorized(D):
-                        dst, di, src, si = T.meta_var(route(pages, staging, layer, i, page_ids[i], kv, h, j, d))
-                        dst[di] = src[si]
-
-        return page_transfer
-
-    @T.prim_func
-    def page_transfer(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
-        T.func_attr({"tir.noalias": True})
-        num_pages = T.int32()
-        m = T.int32()
-        L = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-        page_ids = T.match_buffer(var_ids, (m,), "int32")
-        staging = T.match_buffer(var_staging, (m, L, 2, H, P, D), dtype)
+    @macro
+    def gpu_body():
         for i in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
             for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
@@ -287,4 +298,4 @@ def _make_page_transfer(spec: KernelSpec, *, to_staging: bool):
                                 )
                                 dst[di] = src[si]
 
-    return page_transfer
+    return page_transfer_func(spec, cpu_body if spec.is_cpu else gpu_body)

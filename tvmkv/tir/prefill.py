@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._attn_common import build_attention
+from .attention_generic import build_attention
 from .spec import KernelSpec
 
 PREFILL_MASKS = ("none", "causal", "tree")

@@ -36,7 +36,7 @@ Work decomposition
   gets ``o = 0``, ``lse = -inf``. ``o`` is written as packed element pairs (32-bit stores).
 
 Fast path (``prefill_layout`` returns a layout) — everything else uses the generic schedule of
-``_attn_common`` explicitly:
+:mod:`tvmkv.tir.attention_generic` explicitly:
 
 * target cuda, dtype float16 or bfloat16 (fp32 falls back),
 * head_dim 64 or 128 (others fall back),
@@ -49,15 +49,14 @@ The NumPy model in tests/test_prefill_cuda_model.py replays this index math with
 
 from __future__ import annotations
 
-import math
+from collections import namedtuple
 
 from tvm.script import tirx as T
 
-from ._attn_common import _macro, paged_prefill_func, ragged_prefill_func
+from ._kernel_common import LOG2E, WARP, macro, slots
+from .attention import paged_prefill_func, ragged_prefill_func
 from .spec import KernelSpec
 
-LOG2E = math.log2(math.e)
-WARP = 32
 DEFAULT_WARPS = 4
 # __launch_bounds__(NT, min blocks per SM) by source: ragged 3 (3 blocks of 64 KiB shared memory per SM,
 # registers capped at 168: 1x4096 causal 512 -> 461 us, 8x512 98 -> 89 us on an H200), paged none
@@ -115,6 +114,15 @@ def q_row(r):
 
 
 SMEM_ROWS = 4 * BC  # two stages of K and V
+
+# sv, the block's scalars (uniform across the block; see _kernel_common.slots): its sequence b, its
+# tile lt within the sequence, the tile's first token t0 and token count ntok, the sequence's kv_len
+# and first page entry (paged) or key row (ragged) kbase, the key tiles to scan (nkt), the first key
+# that needs the mask (kfull), the sequence's first row qbase and tile count ntile, and lo / hi of the
+# binary search for b
+BLOCK = slots("b", "lt", "t0", "ntok", "kv_len", "kbase", "nkt", "kfull", "qbase", "lo", "hi", "ntile")
+# the thread's coordinates and local buffers, passed to the helper macros
+PrefillThread = namedtuple("PrefillThread", "tx lane hk sv sm pid qf kf vf pf s o_acc m lsum mx base alpha sl2 rpos")
 
 
 def tile_start(q_indptr_b, b, RT):
@@ -209,23 +217,28 @@ def make_prefill_cuda(
     MIN_BLOCKS = int(min_blocks or 0)  # __launch_bounds__(NT, MIN_BLOCKS): caps registers per thread
     bound_blocks = MIN_BLOCKS > 0
 
-    # sv: per-block scalars (uniform across the block)
-    S_B, S_LT, S_T0, S_NTOK, S_KVLEN, S_KBASE, S_NKT, S_KFULL, S_QBASE, S_LO, S_HI, S_NTILE = range(12)
-
-    @_macro
-    def fetch_pid(kt):
+    @macro
+    def fetch_pid(th, kt):
         # page ids of this thread's K/V rows of tile kt (keys clamped into the sequence)
+        tx = T.meta_var(th.tx)
+        sv = T.meta_var(th.sv)
+        pid = T.meta_var(th.pid)
         if paged:
             for i in T.unroll(KVI):
                 kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
-                pid[i] = page_indices[sv[S_KBASE] + (T.min(kt * BC + kr, sv[S_KVLEN] - 1) >> LOGP)]
+                pid[i] = page_indices[sv[BLOCK.kbase] + (T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1) >> LOGP)]
 
-    @_macro
-    def issue_kv(kt, st):
+    @macro
+    def issue_kv(th, kt, st):
         # cp.async the K and V rows of tile kt into stage st (keys past the end re-read the last key)
+        tx = T.meta_var(th.tx)
+        sv = T.meta_var(th.sv)
+        pid = T.meta_var(th.pid)
+        sm = T.meta_var(th.sm)
+        hk = T.meta_var(th.hk)
         for i in T.unroll(KVI):
             kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
-            j = T.meta_var(T.min(kt * BC + kr, sv[S_KVLEN] - 1))
+            j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
             if paged:
                 T.ptx[CP16](
                     sm.ptr_to([k_row(st, kr), swz(kr, kc)]), pages.ptr_to([pid[i], 0, hk, j & PMASK, kc * 8]), 16
@@ -234,11 +247,27 @@ def make_prefill_cuda(
                     sm.ptr_to([v_row(st, kr), swz(kr, kc)]), pages.ptr_to([pid[i], 1, hk, j & PMASK, kc * 8]), 16
                 )
             else:
-                T.ptx[CP16](sm.ptr_to([k_row(st, kr), swz(kr, kc)]), k.ptr_to([sv[S_KBASE] + j, hk, kc * 8]), 16)
-                T.ptx[CP16](sm.ptr_to([v_row(st, kr), swz(kr, kc)]), v.ptr_to([sv[S_KBASE] + j, hk, kc * 8]), 16)
+                T.ptx[CP16](sm.ptr_to([k_row(st, kr), swz(kr, kc)]), k.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]), 16)
+                T.ptx[CP16](sm.ptr_to([v_row(st, kr), swz(kr, kc)]), v.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]), 16)
 
-    @_macro
-    def tile_body(kt):
+    @macro
+    def tile_body(th, kt):
+        lane = T.meta_var(th.lane)
+        sv = T.meta_var(th.sv)
+        sm = T.meta_var(th.sm)
+        rpos = T.meta_var(th.rpos)
+        sl2 = T.meta_var(th.sl2)
+        qf = T.meta_var(th.qf)
+        kf = T.meta_var(th.kf)
+        vf = T.meta_var(th.vf)
+        pf = T.meta_var(th.pf)
+        s = T.meta_var(th.s)
+        o_acc = T.meta_var(th.o_acc)
+        m = T.meta_var(th.m)
+        lsum = T.meta_var(th.lsum)
+        mx = T.meta_var(th.mx)
+        base = T.meta_var(th.base)
+        alpha = T.meta_var(th.alpha)
         # ---- S = Q K^T for this warp's 16 rows x BC keys (stage kt % 2)
         for ni in T.unroll(NI):
             for r in T.unroll(4):
@@ -271,18 +300,18 @@ def make_prefill_cuda(
                         s[nj * 2 + half, 3],
                     )
         # ---- mask (only tiles past the smallest row bound or the sequence end)
-        if (kt + 1) * BC > sv[S_KFULL]:
+        if (kt + 1) * BC > sv[BLOCK.kfull]:
             for ni in T.unroll(NI):
                 for r in T.unroll(4):
                     if causal:
                         s[ni, r] = T.if_then_else(
-                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < T.min(sv[S_KVLEN], rpos[r // 2] + 1),
+                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < T.min(sv[BLOCK.kv_len], rpos[r // 2] + 1),
                             s[ni, r],
                             T.float32(neg_inf),
                         )
                     else:
                         s[ni, r] = T.if_then_else(
-                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < sv[S_KVLEN], s[ni, r], T.float32(neg_inf)
+                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < sv[BLOCK.kv_len], s[ni, r], T.float32(neg_inf)
                         )
         # ---- online softmax on the accumulators: regs 0, 1 -> row g, regs 2, 3 -> row g + 8
         for h in T.unroll(2):
@@ -335,7 +364,7 @@ def make_prefill_cuda(
                         o_acc[nj * 2 + half, 3],
                     )
 
-    @_macro
+    @macro
     def fa_body():
         bx = T.launch_thread("blockIdx.x", (n // RT + B) * H_kv)
         tx = T.launch_thread("threadIdx.x", NT)
@@ -349,7 +378,7 @@ def make_prefill_cuda(
         sm_raw = T.alloc_buffer((SMEM_WORDS,), "float32", scope="shared.dyn")
         sm = T.decl_buffer((SMEM_ROWS, D), dtype, data=sm_raw.data, scope="shared.dyn")
         red = T.alloc_buffer((2, NW), "float32", scope="shared")
-        sv = T.alloc_buffer((12,), "int32", scope="local")
+        sv = T.alloc_buffer((len(BLOCK),), "int32", scope="local")
         rpos = T.alloc_buffer((2,), "int32", scope="local")  # causal bound of rows g, g + 8
         pid = T.alloc_buffer((KVI,), "int32", scope="local")
         qf = T.alloc_buffer((KD, 4), "uint32", scope="local")
@@ -368,40 +397,74 @@ def make_prefill_cuda(
         rinv = T.alloc_buffer((2,), "float32", scope="local")
         pk = T.alloc_buffer((1,), "uint32", scope="local")
         o_pairs = T.decl_buffer((n * H_qo * D // 2,), "uint32", data=o.data)  # o as packed element pairs
+        th = T.meta_var(
+            PrefillThread(
+                tx=tx,
+                lane=lane,
+                hk=hk,
+                sv=sv,
+                sm=sm,
+                pid=pid,
+                qf=qf,
+                kf=kf,
+                vf=vf,
+                pf=pf,
+                s=s,
+                o_acc=o_acc,
+                m=m,
+                lsum=lsum,
+                mx=mx,
+                base=base,
+                alpha=alpha,
+                sl2=sl2,
+                rpos=rpos,
+            )
+        )
 
         # ---- which sequence and tile: largest b with tile_start(b) <= tile id (binary search)
-        sv[S_LO] = 0
-        sv[S_HI] = B
-        while sv[S_HI] - sv[S_LO] > 1:
-            if tile_start(q_indptr[(sv[S_LO] + sv[S_HI]) // 2], (sv[S_LO] + sv[S_HI]) // 2, RT) <= bx // H_kv:
-                sv[S_LO] = (sv[S_LO] + sv[S_HI]) // 2
+        sv[BLOCK.lo] = 0
+        sv[BLOCK.hi] = B
+        while sv[BLOCK.hi] - sv[BLOCK.lo] > 1:
+            if (
+                tile_start(q_indptr[(sv[BLOCK.lo] + sv[BLOCK.hi]) // 2], (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2, RT)
+                <= bx // H_kv
+            ):
+                sv[BLOCK.lo] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
             else:
-                sv[S_HI] = (sv[S_LO] + sv[S_HI]) // 2
-        sv[S_B] = sv[S_LO]
-        sv[S_QBASE] = q_indptr[sv[S_B]]
-        sv[S_NTILE] = (q_indptr[sv[S_B] + 1] - sv[S_QBASE] + RT - 1) // RT
-        sv[S_LT] = sv[S_NTILE] - 1 - (bx // H_kv - tile_start(sv[S_QBASE], sv[S_B], RT))  # last tile first
-        if sv[S_LT] >= 0:
-            sv[S_T0] = sv[S_QBASE] + sv[S_LT] * RT
-            sv[S_NTOK] = T.min(RT, q_indptr[sv[S_B] + 1] - sv[S_T0])
+                sv[BLOCK.hi] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
+        sv[BLOCK.b] = sv[BLOCK.lo]
+        sv[BLOCK.qbase] = q_indptr[sv[BLOCK.b]]
+        sv[BLOCK.ntile] = (q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase] + RT - 1) // RT
+        sv[BLOCK.lt] = (
+            sv[BLOCK.ntile] - 1 - (bx // H_kv - tile_start(sv[BLOCK.qbase], sv[BLOCK.b], RT))
+        )  # last tile first
+        if sv[BLOCK.lt] >= 0:
+            sv[BLOCK.t0] = sv[BLOCK.qbase] + sv[BLOCK.lt] * RT
+            sv[BLOCK.ntok] = T.min(RT, q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.t0])
             if paged:
-                sv[S_KBASE] = page_indptr[sv[S_B]]
-                sv[S_KVLEN] = 0
-                if page_indptr[sv[S_B] + 1] > page_indptr[sv[S_B]]:
-                    sv[S_KVLEN] = (page_indptr[sv[S_B] + 1] - page_indptr[sv[S_B]] - 1) * P + last_page_len[sv[S_B]]
+                sv[BLOCK.kbase] = page_indptr[sv[BLOCK.b]]
+                sv[BLOCK.kv_len] = 0
+                if page_indptr[sv[BLOCK.b] + 1] > page_indptr[sv[BLOCK.b]]:
+                    sv[BLOCK.kv_len] = (
+                        page_indptr[sv[BLOCK.b] + 1] - page_indptr[sv[BLOCK.b]] - 1
+                    ) * P + last_page_len[sv[BLOCK.b]]
             else:
-                sv[S_KBASE] = sv[S_QBASE]
-                sv[S_KVLEN] = q_indptr[sv[S_B] + 1] - sv[S_QBASE]
+                sv[BLOCK.kbase] = sv[BLOCK.qbase]
+                sv[BLOCK.kv_len] = q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase]
             # causal bound of this thread's rows (w * 16 + g and + 8), token clamped into the tile
             for h in T.unroll(2):
                 if paged:
-                    rpos[h] = q_pos[sv[S_T0] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[S_NTOK] - 1)]
+                    rpos[h] = q_pos[sv[BLOCK.t0] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)]
                 else:
-                    rpos[h] = sv[S_T0] - sv[S_QBASE] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[S_NTOK] - 1)
+                    rpos[h] = (
+                        sv[BLOCK.t0]
+                        - sv[BLOCK.qbase]
+                        + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)
+                    )
             # key range of the block: scan [0, kend), mask from kfull on
             if causal:
                 if paged:
-                    pf32[0] = T.Cast("float32", q_pos[sv[S_T0] + T.min(tx % RT, sv[S_NTOK] - 1)])
+                    pf32[0] = T.Cast("float32", q_pos[sv[BLOCK.t0] + T.min(tx % RT, sv[BLOCK.ntok] - 1)])
                     pf32[1] = T.cuda.warp_reduce(pf32[0], "max", WARP)
                     pf32[0] = T.cuda.warp_reduce(-pf32[0], "max", WARP)
                     if lane == 0:
@@ -413,15 +476,15 @@ def make_prefill_cuda(
                     for k2 in T.unroll(1, NW):
                         pf32[1] = T.max(pf32[1], red[0, k2])
                         pf32[0] = T.max(pf32[0], red[1, k2])
-                    sv[S_NKT] = T.max(T.min(sv[S_KVLEN], T.Cast("int32", pf32[1]) + 1), 0)
-                    sv[S_KFULL] = T.max(T.min(sv[S_KVLEN], 1 - T.Cast("int32", pf32[0])), 0)
+                    sv[BLOCK.nkt] = T.max(T.min(sv[BLOCK.kv_len], T.Cast("int32", pf32[1]) + 1), 0)
+                    sv[BLOCK.kfull] = T.max(T.min(sv[BLOCK.kv_len], 1 - T.Cast("int32", pf32[0])), 0)
                 else:
-                    sv[S_NKT] = sv[S_T0] - sv[S_QBASE] + sv[S_NTOK]
-                    sv[S_KFULL] = sv[S_T0] - sv[S_QBASE] + 1
+                    sv[BLOCK.nkt] = sv[BLOCK.t0] - sv[BLOCK.qbase] + sv[BLOCK.ntok]
+                    sv[BLOCK.kfull] = sv[BLOCK.t0] - sv[BLOCK.qbase] + 1
             else:
-                sv[S_NKT] = sv[S_KVLEN]
-                sv[S_KFULL] = sv[S_KVLEN]
-            sv[S_NKT] = (sv[S_NKT] + BC - 1) // BC
+                sv[BLOCK.nkt] = sv[BLOCK.kv_len]
+                sv[BLOCK.kfull] = sv[BLOCK.kv_len]
+            sv[BLOCK.nkt] = (sv[BLOCK.nkt] + BC - 1) // BC
             sl2[0] = sm_scale * T.float32(LOG2E)
             for h in T.unroll(2):
                 m[h] = T.float32(neg_inf)
@@ -435,14 +498,14 @@ def make_prefill_cuda(
                 qr, qc = T.meta_var(load_rc(tx, i, NT, CPR))
                 T.ptx[CP16](
                     sm.ptr_to([q_row(qr), swz(qr, qc)]),
-                    q.ptr_to([sv[S_T0] + T.min(qr // group, sv[S_NTOK] - 1), hk * group + qr % group, qc * 8]),
+                    q.ptr_to([sv[BLOCK.t0] + T.min(qr // group, sv[BLOCK.ntok] - 1), hk * group + qr % group, qc * 8]),
                     16,
                 )
             T.ptx["cp.async.commit_group"]()
-            if sv[S_NKT] > 0:
-                fetch_pid(0)
-                issue_kv(0, 0)
-                fetch_pid(1)
+            if sv[BLOCK.nkt] > 0:
+                fetch_pid(th, 0)
+                issue_kv(th, 0, 0)
+                fetch_pid(th, 1)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.tvm_storage_sync("shared")
@@ -457,15 +520,15 @@ def make_prefill_cuda(
                 )
 
             # ---- key tiles: tile kt + 1 streams in while tile kt is computed
-            for kt in T.serial(sv[S_NKT]):
+            for kt in T.serial(sv[BLOCK.nkt]):
                 T.tvm_storage_sync("shared")  # everyone is done with stage (kt + 1) % 2
-                if kt + 1 < sv[S_NKT]:
-                    issue_kv(kt + 1, (kt + 1) % 2)
-                    fetch_pid(kt + 2)
+                if kt + 1 < sv[BLOCK.nkt]:
+                    issue_kv(th, kt + 1, (kt + 1) % 2)
+                    fetch_pid(th, kt + 2)
                 T.ptx["cp.async.commit_group"]()
                 T.ptx["cp.async.wait_group"](1)
                 T.tvm_storage_sync("shared")
-                tile_body(kt)
+                tile_body(th, kt)
             T.ptx["cp.async.wait_group"](0)
 
             # ---- o = O / l, lse = m + log2(l); a row without keys: o = 0, lse = -inf (a NaN l, from
@@ -474,12 +537,12 @@ def make_prefill_cuda(
                 lsum[h] = T.cuda.warp_reduce(lsum[h], "sum", 4)
                 rinv[h] = T.if_then_else(lsum[h] == T.float32(0), T.float32(0), T.float32(1) / lsum[h])
             for h in T.unroll(2):
-                if (w * 16 + lane // 4 + 8 * h) // group < sv[S_NTOK]:
+                if (w * 16 + lane // 4 + 8 * h) // group < sv[BLOCK.ntok]:
                     for dn in T.unroll(DN):
                         T.ptx[cvt](pk[0], o_acc[dn, 2 * h + 1] * rinv[h], o_acc[dn, 2 * h] * rinv[h])  # hi, lo
                         o_pairs[
                             (
-                                (sv[S_T0] + (w * 16 + lane // 4 + 8 * h) // group) * H_qo
+                                (sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group) * H_qo
                                 + hk * group
                                 + (w * 16 + lane // 4 + 8 * h) % group
                             )
@@ -489,7 +552,7 @@ def make_prefill_cuda(
                         ] = pk[0]
                     if lane % 4 == 0:
                         lse[
-                            sv[S_T0] + (w * 16 + lane // 4 + 8 * h) // group,
+                            sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group,
                             hk * group + (w * 16 + lane // 4 + 8 * h) % group,
                         ] = T.if_then_else(lsum[h] == T.float32(0), T.float32(neg_inf), m[h] + T.log2(lsum[h]))
 

@@ -1,15 +1,17 @@
+# ruff: noqa: F821, F841
+# (the signature binds the buffers its body macros read by name, which ruff cannot see)
 """Split the fused qkv projection and apply rotary position embedding (RoPE) to q and k.
 
 Layouts and the RoPE convention (rotate-half over the whole head dim) are in docs/layout.md
-("RoPE", "Fused qkv"). :func:`rope_pair` is the one formula; attention kernels with inline RoPE
-can call it at parse time to get the same fp32 arithmetic.
+("RoPE", "Fused qkv"). :func:`rope_pair` is the rotation of one pair, at the frequency of
+:func:`tvmkv.tir._kernel_common.rope_inv_freq` (the formula the attention kernels with inline RoPE use).
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .append import heads_per_block
+from ._kernel_common import FUNC_ATTRS, heads_per_block, macro, rope_inv_freq
 from .spec import KernelSpec
 
 
@@ -24,11 +26,38 @@ def rope_pair(x_lo, x_hi, pos, i, head_dim: int, rope_scale, rope_theta):
     """
     lo = T.cast(x_lo, "float32")
     hi = T.cast(x_hi, "float32")
-    inv_freq = rope_scale / T.pow(rope_theta, T.cast(2 * i, "float32") / T.float32(head_dim))
-    angle = T.cast(pos, "float32") * inv_freq
+    angle = T.cast(pos, "float32") * rope_inv_freq(rope_scale, rope_theta, i, head_dim)
     c = T.cos(angle)
     s = T.sin(angle)
     return lo * c - hi * s, hi * c + lo * s
+
+
+def split_rope_func(spec: KernelSpec, body):
+    """The ``split_rope`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads
+    the parameters of :func:`make_split_rope` by name (size ``n``, the tokens)."""
+    H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    H = spec.qkv_heads
+
+    @T.prim_func
+    def split_rope(
+        var_qkv: T.handle,
+        var_pos: T.handle,
+        var_q: T.handle,
+        var_k: T.handle,
+        var_v: T.handle,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr(FUNC_ATTRS)
+        n = T.int32()
+        qkv = T.match_buffer(var_qkv, (n, H, D), dtype)
+        pos = T.match_buffer(var_pos, (n,), "int32")
+        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
+        k = T.match_buffer(var_k, (n, H_kv, D), dtype)
+        v = T.match_buffer(var_v, (n, H_kv, D), dtype)
+        body()
+
+    return split_rope
 
 
 def make_split_rope(spec: KernelSpec, *, rotate: bool):
@@ -55,78 +84,42 @@ def make_split_rope(spec: KernelSpec, *, rotate: bool):
     HY = heads_per_block(H, D2)
     HB = (H + HY - 1) // HY
 
-    if spec.is_cpu:
-
-        @T.prim_func
-        def split_rope(
-            var_qkv: T.handle,
-            var_pos: T.handle,
-            var_q: T.handle,
-            var_k: T.handle,
-            var_v: T.handle,
-            rope_scale: T.float32,
-            rope_theta: T.float32,
-        ):
-            T.func_attr({"tir.noalias": True})
-            n = T.int32()
-            qkv = T.match_buffer(var_qkv, (n, H, D), dtype)
-            pos = T.match_buffer(var_pos, (n,), "int32")
-            q = T.match_buffer(var_q, (n, H_qo, D), dtype)
-            k = T.match_buffer(var_k, (n, H_kv, D), dtype)
-            v = T.match_buffer(var_v, (n, H_kv, D), dtype)
-            for i in T.parallel(n):
-                for h in T.serial(H_qo):
-                    for d in T.vectorized(D2):
-                        if rotate:
-                            y = T.meta_var(
-                                rope_pair(qkv[i, h, d], qkv[i, h, d + D2], pos[i], d, D, rope_scale, rope_theta)
+    @macro
+    def cpu_body():
+        for i in T.parallel(n):
+            for h in T.serial(H_qo):
+                for d in T.vectorized(D2):
+                    if rotate:
+                        y = T.meta_var(rope_pair(qkv[i, h, d], qkv[i, h, d + D2], pos[i], d, D, rope_scale, rope_theta))
+                        q[i, h, d] = T.cast(y[0], dtype)
+                        q[i, h, d + D2] = T.cast(y[1], dtype)
+                    else:
+                        q[i, h, d] = qkv[i, h, d]
+                        q[i, h, d + D2] = qkv[i, h, d + D2]
+            for h in T.serial(H_kv):
+                for d in T.vectorized(D2):
+                    if rotate:
+                        y = T.meta_var(
+                            rope_pair(
+                                qkv[i, H_qo + h, d],
+                                qkv[i, H_qo + h, d + D2],
+                                pos[i],
+                                d,
+                                D,
+                                rope_scale,
+                                rope_theta,
                             )
-                            q[i, h, d] = T.cast(y[0], dtype)
-                            q[i, h, d + D2] = T.cast(y[1], dtype)
-                        else:
-                            q[i, h, d] = qkv[i, h, d]
-                            q[i, h, d + D2] = qkv[i, h, d + D2]
-                for h in T.serial(H_kv):
-                    for d in T.vectorized(D2):
-                        if rotate:
-                            y = T.meta_var(
-                                rope_pair(
-                                    qkv[i, H_qo + h, d],
-                                    qkv[i, H_qo + h, d + D2],
-                                    pos[i],
-                                    d,
-                                    D,
-                                    rope_scale,
-                                    rope_theta,
-                                )
-                            )
-                            k[i, h, d] = T.cast(y[0], dtype)
-                            k[i, h, d + D2] = T.cast(y[1], dtype)
-                        else:
-                            k[i, h, d] = qkv[i, H_qo + h, d]
-                            k[i, h, d + D2] = qkv[i, H_qo + h, d + D2]
-                    for d in T.vectorized(D):
-                        v[i, h, d] = qkv[i, H_qo + H_kv + h, d]
+                        )
+                        k[i, h, d] = T.cast(y[0], dtype)
+                        k[i, h, d + D2] = T.cast(y[1], dtype)
+                    else:
+                        k[i, h, d] = qkv[i, H_qo + h, d]
+                        k[i, h, d + D2] = qkv[i, H_qo + h, d + D2]
+                for d in T.vectorized(D):
+                    v[i, h, d] = qkv[i, H_qo + H_kv + h, d]
 
-        return split_rope
-
-    @T.prim_func
-    def split_rope(
-        var_qkv: T.handle,
-        var_pos: T.handle,
-        var_q: T.handle,
-        var_k: T.handle,
-        var_v: T.handle,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-    ):
-        T.func_attr({"tir.noalias": True})
-        n = T.int32()
-        qkv = T.match_buffer(var_qkv, (n, H, D), dtype)
-        pos = T.match_buffer(var_pos, (n,), "int32")
-        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
-        k = T.match_buffer(var_k, (n, H_kv, D), dtype)
-        v = T.match_buffer(var_v, (n, H_kv, D), dtype)
+    @macro
+    def gpu_body():
         for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
             for hb in T.thread_binding(HB, thread="blockIdx.y"):
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
@@ -173,4 +166,4 @@ def make_split_rope(spec: KernelSpec, *, rotate: bool):
                                 v[i, h - H_qo - H_kv, d] = qkv[i, h, d]
                                 v[i, h - H_qo - H_kv, d + D2] = qkv[i, h, d + D2]
 
-    return split_rope
+    return split_rope_func(spec, cpu_body if spec.is_cpu else gpu_body)

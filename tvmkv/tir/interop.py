@@ -1,3 +1,5 @@
+# ruff: noqa: F821, F841
+# (each signature binds the buffers its body macros read by name, which ruff cannot see)
 """Copies between tvmkv's pages and foreign KV layouts (interop; docs/layout.md, "Foreign layouts").
 
 Not part of a cache's kernel set: ``tvmkv.runtime.interop`` compiles this family lazily on first use
@@ -19,15 +21,16 @@ Paged layouts copy whole pages: entry ``e`` pairs our page ``page_ids[e]`` with 
 ``block_ids[e]``. The contiguous layout copies tokens: token ``t < n`` lives at our page
 ``page_ids[t // P]``, offset ``t % P``. ``NB``, ``L``, ``m``, ``n`` and ``num_pages`` are symbolic.
 CUDA mapping as in ``page_ops``: ``threadIdx.x`` over ``D``, ``threadIdx.y`` over a few heads,
-``blockIdx`` over (page, offset) or tokens and head chunks.
+``blockIdx`` over (page, offset) or tokens and head chunks. One signature per kernel role
+(``page_copy_func``, ``token_copy_func``); the llvm and cuda bodies are macros.
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .append import heads_per_block
-from .layout_shapes import LAYOUTS, PAGED_LAYOUTS, foreign_index, foreign_shape  # noqa: F401 (re-exported)
+from ._kernel_common import FUNC_ATTRS, heads_per_block, macro
+from .foreign_layouts import LAYOUTS, PAGED_LAYOUTS, foreign_index, foreign_shape  # noqa: F401 (re-exported)
 from .spec import KernelSpec
 
 DIRECTIONS = ("export", "import")
@@ -38,6 +41,49 @@ def _check(layout: str, direction: str, allowed: tuple) -> None:
         raise ValueError(f"layout={layout!r} is not one of {allowed}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction={direction!r} is not one of {DIRECTIONS}")
+
+
+def page_copy_func(spec: KernelSpec, layout: str, body):
+    """The ``<direction>_<layout>`` PrimFunc of ``spec`` for a paged ``layout`` around ``body``, a
+    macro without arguments, which reads the parameters of :func:`make_page_copy` by name (sizes
+    ``m``, the entries, ``NB``, the foreign blocks, and ``L``, the layers); both directions share it."""
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+
+    @T.prim_func
+    def page_copy(var_pages: T.handle, var_ids: T.handle, var_foreign: T.handle, var_blocks: T.handle, layer: T.int32):
+        T.func_attr(FUNC_ATTRS)
+        num_pages = T.int32()
+        m = T.int32()
+        NB = T.int32()
+        L = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        page_ids = T.match_buffer(var_ids, (m,), "int32")
+        foreign = T.match_buffer(var_foreign, foreign_shape(layout, NB, L, spec), dtype)
+        block_ids = T.match_buffer(var_blocks, (m,), "int32")
+        body()
+
+    return page_copy
+
+
+def token_copy_func(spec: KernelSpec, body):
+    """The ``<direction>_contiguous`` PrimFunc of ``spec`` around ``body``, a macro without arguments,
+    which reads the parameters of :func:`make_token_copy` by name (sizes ``m``, the pages, ``n``, the
+    tokens, and ``L``, the layers); both directions share it."""
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+
+    @T.prim_func
+    def token_copy(var_pages: T.handle, var_ids: T.handle, var_seq: T.handle, layer: T.int32):
+        T.func_attr(FUNC_ATTRS)
+        num_pages = T.int32()
+        m = T.int32()
+        n = T.int32()
+        L = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        page_ids = T.match_buffer(var_ids, (m,), "int32")
+        seq = T.match_buffer(var_seq, (L, 2, n, H, D), dtype)
+        body()
+
+    return token_copy
 
 
 def make_page_copy(spec: KernelSpec, layout: str, *, direction: str):
@@ -58,7 +104,7 @@ def make_page_copy(spec: KernelSpec, layout: str, *, direction: str):
         Which layer of ``foreign`` this call copies, ``0 <= layer < L``.
     """
     _check(layout, direction, PAGED_LAYOUTS)
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
     export = direction == "export"
@@ -68,43 +114,19 @@ def make_page_copy(spec: KernelSpec, layout: str, *, direction: str):
         ours, theirs = (page, kv, h, j, d), foreign_index(layout, layer, block, kv, h, j, d)
         return (foreign, theirs, pages, ours) if export else (pages, ours, foreign, theirs)
 
-    if spec.is_cpu:
+    @macro
+    def cpu_body():
+        for ek in T.parallel(m * 2):  # (entry, K or V)
+            for h, j in T.grid(H, P):
+                for d in T.vectorized(D):
+                    e = T.meta_var(ek // 2)
+                    dst, di, src, si = T.meta_var(
+                        route(pages, foreign, layer, page_ids[e], block_ids[e], ek % 2, h, j, d)
+                    )
+                    dst[di] = src[si]
 
-        @T.prim_func
-        def page_copy(
-            var_pages: T.handle, var_ids: T.handle, var_foreign: T.handle, var_blocks: T.handle, layer: T.int32
-        ):
-            T.func_attr({"tir.noalias": True})
-            num_pages = T.int32()
-            m = T.int32()
-            NB = T.int32()
-            L = T.int32()
-            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-            page_ids = T.match_buffer(var_ids, (m,), "int32")
-            foreign = T.match_buffer(var_foreign, foreign_shape(layout, NB, L, spec), dtype)
-            block_ids = T.match_buffer(var_blocks, (m,), "int32")
-            for ek in T.parallel(m * 2):  # (entry, K or V)
-                for h, j in T.grid(H, P):
-                    for d in T.vectorized(D):
-                        e = T.meta_var(ek // 2)
-                        dst, di, src, si = T.meta_var(
-                            route(pages, foreign, layer, page_ids[e], block_ids[e], ek % 2, h, j, d)
-                        )
-                        dst[di] = src[si]
-
-        return page_copy
-
-    @T.prim_func
-    def page_copy(var_pages: T.handle, var_ids: T.handle, var_foreign: T.handle, var_blocks: T.handle, layer: T.int32):
-        T.func_attr({"tir.noalias": True})
-        num_pages = T.int32()
-        m = T.int32()
-        NB = T.int32()
-        L = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-        page_ids = T.match_buffer(var_ids, (m,), "int32")
-        foreign = T.match_buffer(var_foreign, foreign_shape(layout, NB, L, spec), dtype)
-        block_ids = T.match_buffer(var_blocks, (m,), "int32")
+    @macro
+    def gpu_body():
         for ej in T.thread_binding(T.max(m * P, 1), thread="blockIdx.x"):  # (entry, offset); max: no empty grid
             for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
@@ -117,7 +139,7 @@ def make_page_copy(spec: KernelSpec, layout: str, *, direction: str):
                             )
                             dst[di] = src[si]
 
-    return page_copy
+    return page_copy_func(spec, layout, cpu_body if spec.is_cpu else gpu_body)
 
 
 def make_token_copy(spec: KernelSpec, *, direction: str):
@@ -136,7 +158,7 @@ def make_token_copy(spec: KernelSpec, *, direction: str):
         Which layer of ``seq`` this call copies.
     """
     _check("contiguous", direction, ("contiguous",))
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
     export = direction == "export"
@@ -145,36 +167,16 @@ def make_token_copy(spec: KernelSpec, *, direction: str):
         ours, theirs = (page, kv, h, t % P, d), (layer, kv, t, h, d)
         return (seq, theirs, pages, ours) if export else (pages, ours, seq, theirs)
 
-    if spec.is_cpu:
+    @macro
+    def cpu_body():
+        for t in T.parallel(n):
+            for kv, h in T.grid(2, H):
+                for d in T.vectorized(D):
+                    dst, di, src, si = T.meta_var(route(pages, seq, layer, page_ids[t // P], t, kv, h, d))
+                    dst[di] = src[si]
 
-        @T.prim_func
-        def token_copy(var_pages: T.handle, var_ids: T.handle, var_seq: T.handle, layer: T.int32):
-            T.func_attr({"tir.noalias": True})
-            num_pages = T.int32()
-            m = T.int32()
-            n = T.int32()
-            L = T.int32()
-            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-            page_ids = T.match_buffer(var_ids, (m,), "int32")
-            seq = T.match_buffer(var_seq, (L, 2, n, H, D), dtype)
-            for t in T.parallel(n):
-                for kv, h in T.grid(2, H):
-                    for d in T.vectorized(D):
-                        dst, di, src, si = T.meta_var(route(pages, seq, layer, page_ids[t // P], t, kv, h, d))
-                        dst[di] = src[si]
-
-        return token_copy
-
-    @T.prim_func
-    def token_copy(var_pages: T.handle, var_ids: T.handle, var_seq: T.handle, layer: T.int32):
-        T.func_attr({"tir.noalias": True})
-        num_pages = T.int32()
-        m = T.int32()
-        n = T.int32()
-        L = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
-        page_ids = T.match_buffer(var_ids, (m,), "int32")
-        seq = T.match_buffer(var_seq, (L, 2, n, H, D), dtype)
+    @macro
+    def gpu_body():
         for t in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
             for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
@@ -184,7 +186,7 @@ def make_token_copy(spec: KernelSpec, *, direction: str):
                             dst, di, src, si = T.meta_var(route(pages, seq, layer, page_ids[t // P], t, hb // HB, h, d))
                             dst[di] = src[si]
 
-    return token_copy
+    return token_copy_func(spec, cpu_body if spec.is_cpu else gpu_body)
 
 
 def kernel_set(spec: KernelSpec) -> dict:

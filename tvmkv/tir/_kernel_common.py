@@ -1,0 +1,79 @@
+"""Helpers every kernel family shares, so each family module holds only its own kernels.
+
+* :data:`FUNC_ATTRS`: the function attributes every kernel signature sets.
+* :func:`macro`: the TVMScript macro kernel bodies are written as. A signature is declared once per
+  kernel role (e.g. ``append_func`` in :mod:`tvmkv.tir.append`, the attention signatures in
+  :mod:`tvmkv.tir.attention`) and the llvm and cuda bodies are macros passed to it.
+* :func:`slots`: names for the elements of a small local state buffer.
+* :func:`heads_per_block`: the CUDA block shape of the data-movement kernels.
+* :func:`rope_inv_freq`: the one RoPE frequency formula (docs/layout.md, "RoPE").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+from tvm.script import tirx as T
+from tvm.script.parser._core import scan_macro, utils
+from tvm.tirx.script.parser.entry import TIRMacro
+
+from .decode_layout import WARP  # noqa: F401 (lanes per warp; defined in that TVM-free module)
+
+FUNC_ATTRS = {"tir.noalias": True}  # T.func_attr of every kernel
+LOG2E = math.log2(math.e)  # the kernels work in base 2: exp(x) = 2^(x log2(e))
+MAX_THREADS = 256  # threads per CUDA block of the data-movement kernels
+
+
+class _OpenMacro(TIRMacro):
+    """A non-hygienic ``T.macro`` (sees the caller's buffers and variables) that also sees the
+    Python values of its own closure (the factory's static sizes and flags); plain non-hygienic
+    macros see only the caller's scope."""
+
+    def __call__(self, *args, **kwargs):
+        parser = self._find_parser_def()
+        with parser.var_table.with_frame():
+            for name, value in self.closure_vars.items():
+                parser.var_table.add(name, value)
+            return super().__call__(*args, **kwargs)
+
+
+def macro(func):
+    """Decorator: ``func`` as a TVMScript macro, expanded where it is called inside a PrimFunc.
+
+    The macro sees its arguments, the Python values of its closure (static sizes, flags, helper
+    functions) and, by name, the parameters of the signature it is expanded in (a body passed to a
+    ``*_func(spec, body)`` signature reads the buffers that signature documents). Kernel state (local
+    buffers) is passed to helper macros as arguments, never picked up from the caller.
+    """
+    source, closure_vars = scan_macro(func, utils.inspect_function_capture(func))
+    obj = _OpenMacro(source, closure_vars, func, hygienic=False)
+
+    def wrapper(*args, **kwargs):
+        return obj(*args, **kwargs)
+
+    return wrapper
+
+
+def slots(*names: str):
+    """Names of the elements of a small local state buffer: ``R = slots("kv_len", "end")`` gives
+    ``R.kv_len == 0``, ``R.end == 1`` and ``len(R) == 2``. A kernel allocates
+    ``T.alloc_buffer((len(R),), ...)`` and writes ``rng[R.kv_len]``: one buffer in the generated
+    code, a name in the source."""
+    return namedtuple("Slots", names)(*range(len(names)))
+
+
+def heads_per_block(num_heads: int, threads_x: int) -> int:
+    """Heads one CUDA block handles (``threadIdx.y`` extent) when ``threads_x`` threads cover one head.
+
+    The data-movement kernels (``append``, ``split_rope``, ``merge_*``, the page ops and the interop
+    copies) share one CUDA mapping: ``threadIdx.x`` over the head dimension (or half of it),
+    ``threadIdx.y`` over a few heads, ``blockIdx`` over tokens (slots, pages) and head chunks.
+    """
+    return max(1, min(num_heads, MAX_THREADS // threads_x))
+
+
+def rope_inv_freq(rope_scale, rope_theta, i, head_dim: int):
+    """TIR expression of the RoPE frequency of rotate-half pair ``i`` (``0 <= i < D/2``), in float32:
+    ``rope_scale / rope_theta ** (2 i / D)`` (in this order, as Hugging Face's ``inv_freq``)."""
+    return rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * i) / T.float32(head_dim))

@@ -1,0 +1,74 @@
+"""Static thread layout of the CUDA decode kernel (:mod:`tvmkv.tir.decode_cuda`), and the granule of
+its split (flash-decoding, docs/layout.md "Split decode"). Plain Python, no TVM import: the runtime
+(:mod:`tvmkv.runtime.decode_split`) plans the split in ``begin_forward`` on a runtime-only TVM with
+:func:`split_granule` (exported as ``tvmkv.tir.split_granule``), and the kernels are built from the
+same layout."""
+
+from __future__ import annotations
+
+from .spec import KernelSpec
+
+WARP = 32  # lanes per warp (the kernels take it from here through _kernel_common)
+DEFAULT_WARPS = 8
+REG_FLOATS = 32  # per-lane q (and O) floats: GQ * E <= REG_FLOATS
+LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * elem_bytes ~ LOAD_BYTES
+SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
+
+
+def elem_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def decode_layout(
+    spec: KernelSpec,
+    num_warps: int = DEFAULT_WARPS,
+    unroll: int | None = None,
+    max_tpk: int = WARP,
+    reg_floats: int = REG_FLOATS,
+    load_bytes: int = LOAD_BYTES,
+):
+    """Static thread layout of the CUDA decode kernel, or ``None`` where it does not apply.
+
+    Returns a dict: VEC (elements per 16-byte load), TPK (lanes per key), E (elements per lane),
+    KPW (keys per warp), U (keys per lane group per tile), GQ (query heads per block), NW (warps),
+    KB (keys per block per tile), NGB (blocks per kv head).
+    """
+    D, group = spec.head_dim, spec.group
+    eb = elem_bytes(spec.dtype)
+    vec = 16 // eb
+    if D % vec:
+        return None
+    chunks = D // vec
+    tpk = 1
+    while tpk < min(WARP, max_tpk) and chunks % (tpk * 2) == 0:
+        tpk *= 2
+    E = D // tpk
+    if tpk < 2 or E > reg_floats:
+        return None
+    U = unroll if unroll is not None else max(1, min(8, load_bytes // (E * eb)))
+    cap = max(1, min(reg_floats // E, SMEM_FLOATS // (num_warps * D)))
+    GQ = max(x for x in range(1, min(group, cap) + 1) if group % x == 0)
+    KPW = WARP // tpk
+    return {
+        "VEC": vec,
+        "TPK": tpk,
+        "E": E,
+        "KPW": KPW,
+        "U": U,
+        "GQ": GQ,
+        "NW": num_warps,
+        "KB": num_warps * KPW * U,
+        "NGB": group // GQ,
+    }
+
+
+def split_granule(spec: KernelSpec) -> tuple:
+    """``(blocks per sequence, keys per tile)`` of ``paged_decode_split`` for ``spec``, or ``None``
+    where the target has no split kernel (cuda shapes without the fast layout). On llvm the split
+    kernel loops key by key: one block per (sequence, kv head), one key per tile."""
+    if spec.target_kind == "llvm":
+        return spec.num_kv_heads, 1
+    lay = decode_layout(spec)
+    if lay is None:
+        return None
+    return spec.num_kv_heads * lay["NGB"], lay["KB"]
