@@ -418,12 +418,12 @@ def _shape(layout, layers, size):
 def test_interop_kernels_are_a_separate_family(cache):
     """The copies are not in the cache's kernel set; they build lazily into interop_<tag>.so, and the
     cache's sources hash ignores tvmkv/tir/layout.py."""
-    assert "export_nhd" not in cache._kernels and "gather" in cache._kernels
+    assert "export_nhd" not in cache.kernels and "gather" in cache.kernels
     cache.add_sequence(0)
     interop.export_sequence(cache, 0, "nhd")  # an empty sequence: validates, loads nothing
-    lib = interop._kernels(cache)
+    lib = interop.interop_kernels(cache)
     assert lib.key.family == "interop" and lib.path.name == f"interop_{cache.config.kernel_spec.tag}.so"
-    assert lib.path.parent == cache._kernels.path.parent
+    assert lib.path.parent == cache.kernels.path.parent
     assert all(f"{d}_{layout}" in lib for d in ("export", "import") for layout in LAYOUTS)
     assert build.sources_hash("kvcache") != build.sources_hash("interop")
     with pytest.raises(ValueError, match="family='nope'"):

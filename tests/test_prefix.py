@@ -107,7 +107,7 @@ class Driver:
 
 
 def pages_of(cache, sid) -> list:
-    return list(cache._get(sid).pages)
+    return cache.sequence_pages(sid)
 
 
 # ------------------------------------------------------------------------------------------- sharing
@@ -135,7 +135,7 @@ def test_shared_system_prompt_16_requests(target):
     shared = pages_of(cache, 0)[: S // P]
     for k in range(16):
         assert pages_of(cache, k)[: S // P] == shared
-    assert (cache._ref[shared] == 16 + 1).all()  # 16 page tables + the tree
+    assert (cache.pool.ref_counts()[shared] == 16 + 1).all()  # 16 page tables + the tree
     # page 6 holds system tokens 96..99: each request got its own copy (copy-on-write), none lost
     assert len({pages_of(cache, k)[S // P] for k in range(16)}) == 16
     own = sum(-(-len(p) // P) - S // P for p in prompts)
@@ -304,7 +304,7 @@ def test_fork_and_pop_n(target):
 
 # --------------------------------------------------------------------------------------------- misuse
 def tree_state(d):
-    nodes = sorted((n.start, n.tokens, tuple(n.pages)) for n in d.prefix._nodes())
+    nodes = sorted(d.prefix.edges())
     kept_from = {1: 6}  # sequence 1's window (8, sink 2) dropped positions [2, 6) of its 12
     seqs = {
         s: (d.cache.sequence_length(s), *d.cache.debug_get_kv(s, kept_from.get(s, 0))) for s in d.cache.sequence_ids()
@@ -313,7 +313,7 @@ def tree_state(d):
 
 
 def cache_refs(cache):
-    return cache._ref.tolist()
+    return cache.pool.ref_counts().tolist()
 
 
 @pytest.fixture
@@ -385,7 +385,7 @@ def test_misuse_leaves_state(prepared, name):
 def test_misuse_during_forward(prepared):
     d = prepared
     d.cache.begin_forward([0], [1])
-    before = sorted((n.start, n.tokens, tuple(n.pages)) for n in d.prefix._nodes())
+    before = sorted(d.prefix.edges())
     for call in (
         lambda: d.prefix.add_sequence_with_prefix(5, list(range(10, 20))),
         lambda: d.prefix.insert(0, list(range(10, 23))),
@@ -394,7 +394,7 @@ def test_misuse_during_forward(prepared):
     ):
         with pytest.raises(tvmkv.ForwardStateError):
             call()
-        assert sorted((n.start, n.tokens, tuple(n.pages)) for n in d.prefix._nodes()) == before
+        assert sorted(d.prefix.edges()) == before
     assert 5 not in d.cache.sequence_ids()
     for layer in range(2):
         d.cache.attention_with_fused_qkv(layer, d.rows(layer, [23], 13))
@@ -458,12 +458,16 @@ def test_random_operations(target, seed):
 
     def guarded(call, *args) -> None:
         nonlocal ooms
-        cached, evictable, free = d.prefix.num_cached_pages(), d.prefix.num_evictable_pages(), len(cache._free)
+        cached, evictable, free = (
+            d.prefix.num_cached_pages(),
+            d.prefix.num_evictable_pages(),
+            cache.num_available_pages(),
+        )
         try:
             call(*args)
         except tvmkv.OutOfPagesError as err:
             assert err.needed > free + evictable
-            assert (d.prefix.num_cached_pages(), len(cache._free)) == (cached, free)
+            assert (d.prefix.num_cached_pages(), cache.num_available_pages()) == (cached, free)
             ooms += 1
 
     for _ in range(150):

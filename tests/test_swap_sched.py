@@ -78,13 +78,13 @@ def test_page_kernels_match_reference(target, dtype, rng):
     ids = rng.permutation(N)[:7].astype(np.int32)
     staging = tvm.runtime.empty((len(ids), L, *shape[1:]), dtype, device_of(target))
     for layer in range(L):
-        cache._kernels["gather_pages"](cache.pages[layer], to_dev(ids, target), staging, layer)
+        cache.kernels["gather_pages"](cache.pages[layer], to_dev(ids, target), staging, layer)
     np.testing.assert_array_equal(staging.numpy(), gather_pages_ref(pools, ids))
     rows = rng.standard_normal(staging.shape).astype(numpy_dtype(dtype))
     staging.copyfrom(rows)
     dst = rng.permutation(N)[:7].astype(np.int32)
     for layer in range(L):
-        cache._kernels["scatter_pages"](cache.pages[layer], to_dev(dst, target), staging, layer)
+        cache.kernels["scatter_pages"](cache.pages[layer], to_dev(dst, target), staging, layer)
         np.testing.assert_array_equal(cache.pages[layer].numpy(), scatter_pages_ref(pools[layer], dst, rows, layer))
 
 
@@ -125,7 +125,9 @@ def test_swap_round_trip_is_bit_exact(target, dtype):
     assert sorted(cache.sequence_ids()) == [1, 3, 4]
     cache.check_integrity()
     r.check_kv()  # the sequences left on the device are untouched
-    cache.swap_out([1], max_staging_bytes=cache._row_bytes())  # one page per copy: the staging path
+    cache.swap_out(
+        [1], max_staging_bytes=cache.config.num_layers * cache.config.page_bytes
+    )  # one page per copy: the staging path
     assert cache.swapped_host_bytes() == 6 * cache.config.num_layers * cache.config.page_bytes  # + 20 tokens
     cache.check_integrity()
 
@@ -146,13 +148,16 @@ def test_swap_round_trip_is_bit_exact(target, dtype):
         assert cache.sequence_length(sid) == lengths[sid]
     r.check_kv()  # and against the oracle
     # again, into the spare host buffer the first swap left (a view of its first rows)
-    assert cache._host_spare is not None and cache._host_spare.shape[0] == 4
+    assert cache.spare_host_bytes() == 4 * cache.config.num_layers * cache.config.page_bytes
     cache.swap_out([3])
-    assert cache._host_spare is None and cache.swapped_host_bytes() == 4 * cache._row_bytes()
+    assert (
+        cache.spare_host_bytes() == 0
+        and cache.swapped_host_bytes() == 4 * cache.config.num_layers * cache.config.page_bytes
+    )
     cache.swap_in([3])
     np.testing.assert_array_equal(cache.debug_get_kv(3)[0], before[3][0])
     cache.release_host_memory()
-    assert cache._host_spare is None
+    assert cache.spare_host_bytes() == 0
 
     # the swapped-in sequences take part in forwards: appends into re-shared pages copy on write,
     # the token tree commits, pop_n works; every attention output is checked against the oracle
@@ -500,7 +505,7 @@ def test_scheduler_prefix_cache_against_the_oracle(target, preemption):
         running = sched.queue_ids(RUNNING)
         kv = {sid: cache.debug_get_kv(sid) for sid in running}
         held = set(d.prefix.held_pages())
-        tree_pages = {sid: len(held.intersection(cache._get(sid).pages)) for sid in running}
+        tree_pages = {sid: len(held.intersection(cache.sequence_pages(sid))) for sid in running}
         plan = sched.schedule()
         for sid, mode in plan.preempted:
             if mode == "swap":
