@@ -86,9 +86,9 @@ def missing_device_kernels(lib_path: Path, names) -> list:
     """Names without a ``<name>_kernel*`` entry in the CUDA function table of an exported library."""
     import struct
 
-    from tvmkv.build import _elf_symbol_bytes, parse_imports_blob, split_cuda_module_bytes
+    from tvmkv.build import elf_symbol_bytes, parse_imports_blob, split_cuda_module_bytes
 
-    blob = _elf_symbol_bytes(Path(lib_path), "__tvm_ffi__library_bin")
+    blob = elf_symbol_bytes(Path(lib_path), "__tvm_ffi__library_bin")
     _tree, modules = parse_imports_blob(blob[: struct.unpack_from("<Q", blob, 0)[0] + 8])
     table = b"".join(split_cuda_module_bytes(data)[1] for kind, data in modules if kind == "cuda")
     return [n for n in names if f"{n}_kernel".encode() not in table]

@@ -172,10 +172,10 @@ def test_config_file_expansion_and_errors():
 def test_imports_blob_round_trip():
     tree = (3).to_bytes(8, "little") + bytes(8) + (1).to_bytes(8, "little") * 2
     tree += (1).to_bytes(8, "little") * 2
-    table = (1).to_bytes(8, "little") + build._pack_str(b"k") + build._pack_str(b"k")  # {k: FunctionInfo}
+    table = (1).to_bytes(8, "little") + build.pack_str(b"k") + build.pack_str(b"k")  # {k: FunctionInfo}
     table += (1).to_bytes(8, "little") + bytes([3, 64, 1, 0])  # arg_types: one handle
-    table += (1).to_bytes(8, "little") + build._pack_str(b"threadIdx.x") + (1).to_bytes(8, "little") + bytes(4)
-    cuda = build._pack_str(b"fatbin") + table + build._pack_str(b"\xba\x55payload" + bytes(16))
+    table += (1).to_bytes(8, "little") + build.pack_str(b"threadIdx.x") + (1).to_bytes(8, "little") + bytes(4)
+    cuda = build.pack_str(b"fatbin") + table + build.pack_str(b"\xba\x55payload" + bytes(16))
     modules = [("_lib", None), ("cuda", cuda)]
     blob = build.pack_imports_blob(tree, modules)
     assert build.parse_imports_blob(blob) == (tree, modules)
@@ -250,4 +250,4 @@ def test_default_build_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TVMKV_BUILD_DIR", str(tmp_path / "mine"))
     assert build.default_build_dir(checkout / "tvmkv") == tmp_path / "mine"
     assert build.default_build_dir() == tmp_path / "mine"
-    assert "TVMKV_BUILD_DIR" in build._parser().format_help()
+    assert "TVMKV_BUILD_DIR" in build.arg_parser().format_help()

@@ -253,7 +253,7 @@ def _read_str(buf: bytes, pos: int) -> tuple:
     return buf[pos : pos + n], pos + n
 
 
-def _pack_str(data: bytes) -> bytes:
+def pack_str(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
@@ -279,7 +279,7 @@ def parse_imports_blob(blob: bytes) -> tuple:
 
 def pack_imports_blob(tree: bytes, modules: list) -> bytes:
     """Inverse of :func:`parse_imports_blob`."""
-    body = tree + b"".join(_pack_str(k.encode()) + (b"" if d is None else _pack_str(d)) for k, d in modules)
+    body = tree + b"".join(pack_str(k.encode()) + (b"" if d is None else pack_str(d)) for k, d in modules)
     return struct.pack("<Q", len(body)) + body
 
 
@@ -328,7 +328,7 @@ def _fatbin_blob(module, arch: str) -> bytes:
             fmt, table, payload = split_cuda_module_bytes(data)
             if fmt == "cuda":
                 fatbin = nvcc_fatbin(payload.decode(), arch)
-                data = _pack_str(b"fatbin") + table + _pack_str(fatbin)
+                data = pack_str(b"fatbin") + table + pack_str(fatbin)
         out.append((kind, data))
     return pack_imports_blob(tree, out)
 
@@ -365,7 +365,7 @@ def export_module(module, path: Path, target_kind: str, arch: str | None = None)
     return "fatbin"
 
 
-def _elf_symbol_bytes(path: Path, symbol: str) -> bytes:
+def elf_symbol_bytes(path: Path, symbol: str) -> bytes:
     """Bytes of a data symbol in an ELF64 little-endian shared library (read from the file)."""
     data = Path(path).read_bytes()
     if data[:4] != b"\x7fELF" or data[4] != 2:
@@ -395,7 +395,7 @@ def inspect_library(path: Path | str) -> list:
         One dict per module with ``kind`` ("_lib" is the host code itself), and for CUDA modules
         ``format`` ("fatbin"/"cubin"/"ptx" = compiled, "cuda" = source compiled at load) and ``nbytes``.
     """
-    blob = _elf_symbol_bytes(Path(path), "__tvm_ffi__library_bin")
+    blob = elf_symbol_bytes(Path(path), "__tvm_ffi__library_bin")
     nbytes = struct.unpack_from("<Q", blob, 0)[0]
     _tree, modules = parse_imports_blob(blob[: nbytes + 8])
     out = []
@@ -410,7 +410,7 @@ def inspect_library(path: Path | str) -> list:
 
 def extract_fatbin(path: Path | str) -> bytes:
     """The compiled device code of a CUDA library (for ``cuobjdump``); raises if it holds source."""
-    blob = _elf_symbol_bytes(Path(path), "__tvm_ffi__library_bin")
+    blob = elf_symbol_bytes(Path(path), "__tvm_ffi__library_bin")
     _tree, modules = parse_imports_blob(blob[: struct.unpack_from("<Q", blob, 0)[0] + 8])
     for kind, data in modules:
         if kind == "cuda":
@@ -681,7 +681,7 @@ def _build_one(args: tuple) -> tuple:
     return key, path, hit, time.time() - t0
 
 
-def _parser() -> argparse.ArgumentParser:
+def arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tvmkv build",
         description="Compile tvmkv kernel sets into build/<target-dir>/ (cached; --force rebuilds).",
@@ -719,7 +719,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """``python -m tvmkv build ...``: build kernel sets, print one line per set, return the exit code."""
-    args = _parser().parse_args(argv)
+    args = arg_parser().parse_args(argv)
     try:
         archs = [a.strip() for a in (args.arch or default_cuda_arch()).split(",") if a.strip()]
     except ValueError as err:  # a bad $TVMKV_CUDA_ARCH
