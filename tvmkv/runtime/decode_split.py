@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-# Heuristic, from ``bench/gpu.py --split-sweep`` on an H100 (fp16, H_kv 8, D 128; bench/RESULTS.md):
+# Heuristic, from ``bench/gpu_decode_split.py`` on an H100 (fp16, H_kv 8, D 128; bench/RESULTS.md):
 # split a power-of-two number of ways (3- and 6-way splits measured 10-25% slower than 2/4/8) until
 # the grid has BLOCKS_PER_SM blocks per SM, into chunks of at least MIN_CHUNK_TILES tiles, at most
 # MAX_SPLITS ways. The batch alone filling the SMs once is enough: at 16 x 1024 (128 blocks on 132
