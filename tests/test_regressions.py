@@ -180,3 +180,36 @@ def test_scalar_where_a_list_belongs_and_bad_sm_scale_name_the_fix():
         cache.attention_with_fused_qkv(0, qkv, sm_scale="x")
     cache.end_forward()
     cache.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "option, fix",
+    [
+        (dict(prefill_chunk_size=10**9), "lower prefill_chunk_size"),
+        (dict(max_batch_size=10**9), "lower max_total_seq_len / max_batch_size"),
+        (dict(max_total_seq_len=10**12, num_pages=None), "max_total_seq_len"),
+    ],
+)
+def test_oversized_buffers_name_the_parameter_before_allocating(option, fix):
+    """Every buffer the cache allocates up front is sized first: an oversized parameter is a
+    ValueError naming it (it used to end in std::bad_alloc)."""
+    with pytest.raises(ValueError, match=fix):
+        _cache(**option)
+
+
+def test_read_only_out_is_rejected_before_anything_runs():
+    rng = np.random.default_rng(3)
+    cache = _cache()
+    cache.add_sequence(0)
+    _prefill(cache, 0, 3, rng)
+    k_before, v_before = cache.debug_get_kv(0)
+    cache.begin_forward([0], [1])
+    qkv = rng.standard_normal((1, H_QO + 2 * H_KV, D)).astype(np.float32)
+    out = np.zeros((1, H_QO, D), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        cache.attention_with_fused_qkv(0, qkv, out=out)
+    cache.end_forward()
+    k_after, _ = cache.debug_get_kv(0, 0, 3)
+    np.testing.assert_array_equal(k_after, k_before)  # nothing was appended for the rejected call
+    assert not out.any()

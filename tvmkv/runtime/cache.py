@@ -25,7 +25,7 @@ from ..errors import ForwardStateError, IntegrityError, OutOfPagesError
 from ..target import parse_target
 from . import tensors
 from .decode_split import NO_SPLIT
-from .index_buffer import IndexBuffers
+from .index_buffer import RING, IndexBuffers
 from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer
 from .pages import PageHolder, PagePool
 from .plan import PackedLayout, RepeatDecode, plan_step
@@ -173,14 +173,7 @@ class PagedAttentionKVCache:
         device = self.device = _device(cfg.target_kind)
         if cfg.target_kind == "cuda" and not device.exist:
             raise RuntimeError("target='cuda' but no CUDA device is present; use target='llvm'")
-        pool_bytes = cfg.total_pages * cfg.page_bytes * cfg.num_layers
-        free_bytes = available_bytes(device)
-        if pool_bytes > free_bytes:
-            raise ValueError(
-                f"the page pool needs {pool_bytes / 2**30:.2f} GiB ({cfg.total_pages} pages x {cfg.num_layers} "
-                f"layers) but the device has {free_bytes / 2**30:.2f} GiB free; lower num_pages / "
-                "max_total_seq_len or use memory_fraction"
-            )
+        _check_memory(cfg, device)
         self.kernels = load_kernels(
             cfg.kernel_spec,
             rope_mode=cfg.rope_mode,
@@ -563,6 +556,8 @@ class PagedAttentionKVCache:
             if tensors.array_kind(out) != kind:
                 raise TypeError(f"out is a {tensors.array_kind(out)} array but qkv is {kind}; pass the same kind")
             self._check_array(out, "out", fwd.o_shape)
+            if kind == "numpy" and not out.flags.writeable:
+                raise ValueError("out is a read-only NumPy array; pass a writeable one (or out=None)")
         qkv_dev = tensors.to_device(qkv, kind, self.device)
         o_dev = self._output_buffer(out, kind, fwd.total)
         run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale)
@@ -577,7 +572,12 @@ class PagedAttentionKVCache:
         return out
 
     def end_forward(self) -> None:
-        """Close the open forward; sliding windows slide now."""
+        """Close the open forward; sliding windows slide now.
+
+        The forward's new tokens count as appended whether or not every layer's attention ran: a
+        layer whose ``attention_with_fused_qkv`` was not called in this forward holds undefined K/V
+        in those tokens' slots (as in TVM's cache). Call it once per layer per forward.
+        """
         if self._fwd is None:
             raise ForwardStateError("end_forward called with no forward open; call begin_forward first")
         for seq in self._fwd.slides:
@@ -821,6 +821,67 @@ class PagedAttentionKVCache:
             except RuntimeError:
                 pass  # unaligned: compute into a fresh buffer, copy back
         return tvm.runtime.empty((total, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, self.device)
+
+
+def memory_needs(cfg: CacheConfig) -> list:
+    """``[(what, bytes, on_device, fix)]``: every buffer a cache of ``cfg`` allocates up front (the page
+    pool, a host staging copy of one layer's pool, the q/k/v/lse scratch, the packed index buffers),
+    computed without allocating anything."""
+    itemsize = 4 if cfg.dtype == "float32" else 2
+    chunk, B = cfg.prefill_chunk_size, cfg.max_batch_size
+    layer_bytes = cfg.total_pages * cfg.page_bytes
+    index = PackedLayout.of(B, chunk, 1).page_indices_at + -(-cfg.max_total_seq_len // cfg.page_size) + B
+    index = -(-index // 1024) * 1024 * 4  # int32 elements rounded up to IndexBuffers' bucket
+    scratch = chunk * (cfg.qkv_heads * cfg.head_dim * itemsize + cfg.num_qo_heads * 4)
+    pool_fix = "lower num_pages / max_total_seq_len or use memory_fraction"
+    if cfg.num_pages is None:
+        pool_fix = (
+            f"num_pages defaults to ceil(max_total_seq_len / page_size) + max_batch_size = {cfg.total_pages}: "
+            "lower max_total_seq_len / max_batch_size, or pass num_pages or memory_fraction"
+        )
+    return [
+        (
+            f"the page pool ({cfg.total_pages} pages x {cfg.num_layers} layers)",
+            layer_bytes * cfg.num_layers,
+            True,
+            pool_fix,
+        ),
+        ("the host copy that initializes one layer's pool", layer_bytes, False, "lower num_pages / max_total_seq_len"),
+        (
+            f"the q/k/v/lse scratch of prefill_chunk_size={chunk} rows",
+            scratch,
+            True,
+            "lower prefill_chunk_size",
+        ),
+        (
+            f"the packed index buffers (max_batch_size={B}, prefill_chunk_size={chunk}, "
+            f"max_total_seq_len={cfg.max_total_seq_len})",
+            index * RING,
+            True,
+            "lower max_batch_size / prefill_chunk_size / max_total_seq_len",
+        ),
+        ("the packed host index buffer", index, False, "lower max_batch_size / prefill_chunk_size / max_total_seq_len"),
+    ]
+
+
+def _check_memory(cfg: CacheConfig, device) -> None:
+    """ValueError naming the parameter to lower when the buffers of ``cfg`` do not fit (checked before
+    anything is allocated: an oversized parameter used to end in ``std::bad_alloc``)."""
+    needs = memory_needs(cfg)
+    host = device.dlpack_device_type() == 1
+    pools = [("the device", [n for n in needs if n[2] or host], device)]
+    if not host:
+        import tvm
+
+        pools.append(("host memory", [n for n in needs if not n[2]], tvm.cpu(0)))
+    for where, items, dev in pools:
+        total, free = sum(n[1] for n in items), available_bytes(dev)
+        if total > free:
+            what, size, _, fix = max(items, key=lambda n: n[1])
+            raise ValueError(
+                f"{what} needs {size / 2**30:.2f} GiB ({total / 2**30:.2f} GiB with the cache's other buffers) "
+                f"but {where} has {free / 2**30:.2f} GiB free; {fix}"
+            )
 
 
 def _id_list(seq_ids, what: str) -> list:
