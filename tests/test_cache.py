@@ -242,7 +242,9 @@ def test_sliding_window_misuse(target):
         cache.enable_sliding_window_for_seq(0, 4, 5)
     cache.enable_sliding_window_for_seq(0, 8, 2)
     run_forward(cache, rng, [0], [20])
-    before = snapshot(cache, start=14)  # kept: sink [0, 2) and window [14, 20)
+    # kept: the sink (tokens 0, 1) and the window's last 6 (tokens 14..19), at positions 0..7 (TVM's rule)
+    assert cache.sequence_length(0) == 8
+    before = snapshot(cache, start=0)
     np.testing.assert_array_equal(cache.debug_get_kv(0, 0, 2)[0].shape, (2, 2, 2, 64))
     for call in (
         lambda: cache.fork_sequence(0, 1),
@@ -252,7 +254,7 @@ def test_sliding_window_misuse(target):
     ):
         with pytest.raises(ValueError):
             call()
-        assert_same(cache, before, start=14)
+        assert_same(cache, before, start=0)
     assert cache.num_available_pages() == cache.config.total_pages - 3  # sink page + 2 window pages
 
 

@@ -78,8 +78,9 @@ RESTRICTIONS = [
     ["add", 0],
     ["window", 0, 6, 2],
     ["fwd", [[0, 5]]],
-    ["fork", 0, 1, 3],  # a windowed sequence that has not slid: the child inherits its window
-    ["tree", [[1, [-1]]]],  # ! token trees on a (inherited) window
+    ["fork", 0, 1, 3],  # a windowed sequence that has not slid: the child starts without a window (TVM)
+    ["window", 1, 6, 2],
+    ["tree", [[1, [-1]]]],  # ! token trees on a window
     ["fwd", [[0, 3], [1, 5]]],  # both slide now
     ["fork", 0, 2, 1],  # ! fork of a slid sequence (tokens were dropped)
     ["fork", 1, 2, -1],  # ! same, for the forked child

@@ -23,11 +23,18 @@ def rope_np(x: np.ndarray, pos: np.ndarray, scale: float, theta: float) -> np.nd
 
 
 class _Seq:
+    """One sequence. Positions follow TVM's rule: a kept token's position is its index among the kept
+    tokens (after a window drops tokens, the later ones move down). ``index`` / ``appended`` count in
+    append order instead (no renumbering), as page accounting needs."""
+
     def __init__(self, L, H, D):
         self.k = np.zeros((L, 0, H, D))  # kept committed tokens, as stored
         self.v = np.zeros((L, 0, H, D))
-        self.pos = np.zeros(0, np.int64)
-        self.length = 0  # logical committed length
+        self.pos = np.zeros(0, np.int64)  # position of each kept token (0, 1, 2, ... after a slide)
+        self.index = np.zeros(0, np.int64)  # append index of each kept token
+        self.length = 0  # committed tokens held
+        self.appended = 0  # committed tokens appended and not popped (dropped ones included)
+        self.slid = False  # a window has dropped tokens
         self.window = 0
         self.sink = 0
         # uncommitted tree nodes
@@ -74,14 +81,18 @@ class CacheModel:
         p = self.seqs[parent]
         pos = p.length if pos == -1 else pos
         c = p.copy()
-        c.k, c.v, c.pos, c.length = p.k[:, :pos], p.v[:, :pos], p.pos[:pos], pos
+        c.k, c.v, c.pos, c.index = p.k[:, :pos], p.v[:, :pos], p.pos[:pos], p.index[:pos]
+        c.length = c.appended = pos
         c.tk, c.tv, c.tparent, c.tdepth = p.tk[:, :0], p.tv[:, :0], [], []
+        c.window = c.sink = 0  # a fork starts without a window (TVM's rule)
+        c.slid = False
         self.seqs[child] = c
 
     def pop(self, sid, n):
         s = self.seqs[sid]
         keep = s.k.shape[1] - n
-        s.k, s.v, s.pos, s.length = s.k[:, :keep], s.v[:, :keep], s.pos[:keep], s.length - n
+        s.k, s.v, s.pos, s.index = s.k[:, :keep], s.v[:, :keep], s.pos[:keep], s.index[:keep]
+        s.length, s.appended = s.length - n, s.appended - n
 
     def enable_window(self, sid, window, sink):
         s = self.seqs[sid]
@@ -91,7 +102,10 @@ class CacheModel:
     def _slide(self, s):
         if s.window and s.k.shape[1] > s.window:
             idx = np.r_[0 : s.sink, s.k.shape[1] - (s.window - s.sink) : s.k.shape[1]]
-            s.k, s.v, s.pos = s.k[:, idx], s.v[:, idx], s.pos[idx]
+            s.k, s.v, s.index = s.k[:, idx], s.v[:, idx], s.index[idx]
+            s.pos = np.arange(len(idx))  # positions index the kept tokens
+            s.length = len(idx)
+            s.slid = True
 
     # forward -----------------------------------------------------------------
     def begin(self, seq_ids, lengths, parents=None):
@@ -195,6 +209,7 @@ class CacheModel:
             s.k = np.concatenate([s.k, np.zeros((self.L, n, self.Hkv, self.D))], axis=1)
             s.v = np.concatenate([s.v, np.zeros((self.L, n, self.Hkv, self.D))], axis=1)
             s.pos = np.r_[s.pos, s.length + np.arange(n)]
+            s.index = np.r_[s.index, s.appended + np.arange(n)]
         s.k[layer, -n:], s.v[layer, -n:] = k, v
 
     def _stash_tree(self, s, layer, k, v, old, n):
@@ -209,6 +224,7 @@ class CacheModel:
             s = self.seqs[sid]
             if fwd["parents"] is None:
                 s.length += n
+                s.appended += n
                 self._slide(s)
         self.fwd = None
 
@@ -223,7 +239,9 @@ class CacheModel:
             s.k = np.concatenate([s.k, s.tk[:, path]], axis=1)
             s.v = np.concatenate([s.v, s.tv[:, path]], axis=1)
             s.pos = np.r_[s.pos, s.length + np.arange(len(path))]
+            s.index = np.r_[s.index, s.appended + np.arange(len(path))]
             s.length += len(path)
+            s.appended += len(path)
             s.tk, s.tv, s.tparent, s.tdepth = s.tk[:, :0], s.tv[:, :0], [], []
 
     # inspection ----------------------------------------------------------------

@@ -209,7 +209,8 @@ class PagedAttentionKVCache:
         return sum(s.length for s in self._table.resident.values())
 
     def sequence_length(self, seq_id) -> int:
-        """Logical length of ``seq_id``: every token appended and not popped (slid-out tokens count)."""
+        """Tokens ``seq_id`` holds: appended and not popped, minus those its sliding window dropped
+        (TVM's rule; uncommitted token-tree nodes count)."""
         return self._table.info(seq_id).length
 
     def sequence_ids(self) -> list:
@@ -686,8 +687,9 @@ class PagedAttentionKVCache:
     def debug_get_kv(self, seq_id, start_pos=0, end_pos=None):
         """K and V of tokens ``[start_pos, end_pos)`` of ``seq_id`` as NumPy ``[num_layers, n, H_kv, D]``.
 
-        Positions are logical (uncommitted tree nodes follow the committed tokens in append order);
-        K is as stored (rotated when rope_mode is "normal"). Tokens a sliding window dropped are an error.
+        Positions index the tokens the cache holds (uncommitted tree nodes follow the committed tokens in
+        append order; after a sliding window dropped tokens, position ``i`` is the ``i``-th kept token, as
+        in TVM); K is as stored (rotated when rope_mode is "normal").
         """
         seq = self._table.get(seq_id)
         end_pos = seq.length if end_pos is None else as_int(end_pos, "end_pos")
@@ -696,14 +698,7 @@ class PagedAttentionKVCache:
             raise ValueError(f"range [{start_pos}, {end_pos}) is not inside sequence {seq_id} of length {seq.length}")
         P = self.config.page_size
         pos = np.arange(start_pos, end_pos)
-        slot = np.where(pos < seq.sink_end, pos, pos - seq.pos_offset)
-        bad = (slot >= seq.sink_end) & (slot < seq.window_start) | (slot < 0)
-        if bad.any():
-            raise ValueError(
-                f"positions [{start_pos}, {end_pos}) of sequence {seq_id} include tokens its sliding window "
-                f"dropped; kept: [0, {min(seq.sink_end, seq.length)}) and "
-                f"[{seq.position(seq.window_start)}, {seq.length})"
-            )
+        slot = np.where(pos < seq.sink_end, pos, pos + seq.gap)
         import tvm
 
         pages = seq.pages.astype(np.int64)

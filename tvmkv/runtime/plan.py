@@ -152,9 +152,9 @@ def plan_step(ib: IndexBuffers, page_size: int, seq_ids, seqs, lens, history, np
     q_pos[:] = pos
     for b in windowed.tolist():
         seq = seqs[b]
-        kv_window[b] = (seq.sink_end, seq.window_start, seq.pos_offset)
+        kv_window[b] = (seq.sink_end, seq.window_start, -seq.gap)
         lo, hi = q_indptr[b], q_indptr[b + 1]
-        q_pos[lo:hi] = np.where(q_pos[lo:hi] < seq.sink_end, q_pos[lo:hi], q_pos[lo:hi] + seq.pos_offset)
+        q_pos[lo:hi] = np.where(q_pos[lo:hi] < seq.sink_end, q_pos[lo:hi], q_pos[lo:hi] - seq.gap)
     q_tree, kv_tree_indptr, kv_tree, kv_tree_start = (arr(host, n) for n in PACKED[6:])
     q_tree[:] = 0
     kv_tree_indptr[:] = 0

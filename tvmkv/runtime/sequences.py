@@ -42,16 +42,17 @@ def check_id(seq_id, name: str = "seq_id") -> int:
 class Sequence:
     """One sequence: pages, slots used and window / token-tree state.
 
-    Window fields (docs/layout.md, "Sliding windows"): slots ``[0, sink_end)`` are the attention sink,
-    ``[sink_end, window_start)`` slid out; the logical position of slot ``j >= sink_end`` is
-    ``j + pos_offset``. Tree fields: the last ``len(tree_parent)`` slots are uncommitted token-tree
-    nodes (parent index among them or -1, depth).
+    Window fields (docs/layout.md, "Sliding window with attention sink"): slots ``[0, sink_end)`` are
+    the attention sink, ``[sink_end, window_start)`` slid out; positions index the kept tokens (TVM's
+    rule), so slot ``j >= window_start`` sits at position ``j - (window_start - sink_end)``. Tree
+    fields: the last ``len(tree_parent)`` slots are uncommitted token-tree nodes (parent index among
+    them or -1, depth).
     """
 
     kv_len: int = 0  # slots used
     sink_end: int = 0
     window_start: int = 0
-    pos_offset: int = 0
+    dropped: bool = False  # the window has dropped tokens (then forks and imports are refused)
     window: int = 0  # sliding window size (0 = none)
     sink: int = 0
     tree_parent: list = field(default_factory=list)
@@ -76,14 +77,21 @@ class Sequence:
 
     @property
     def slid(self) -> bool:
-        return self.window_start > self.sink_end or self.pos_offset > 0
+        """Whether the window has dropped tokens (pop_n is then limited to the window's tokens)."""
+        return self.dropped
+
+    @property
+    def gap(self) -> int:
+        """Slots between the sink and the window's first kept slot (slid out, not yet freed)."""
+        return self.window_start - self.sink_end
 
     def position(self, slot: int) -> int:
-        return slot if slot < self.sink_end else slot + self.pos_offset
+        """Position of a kept slot: its index among the kept tokens."""
+        return slot if slot < self.sink_end else slot - self.gap
 
     @property
     def committed_length(self) -> int:
-        """Logical length of the committed tokens (slid-out tokens count)."""
+        """Committed tokens held (tokens a window dropped do not count)."""
         return self.position(self.tree_start)
 
     @property
@@ -139,7 +147,7 @@ class Sequence:
 class SequenceInfo:
     """A read-only snapshot of one sequence (``PagedAttentionKVCache.sequence_info``)."""
 
-    length: int  # logical length: tokens appended and not popped, slid-out tokens included
+    length: int  # tokens held: appended, not popped, not dropped by a window (tree nodes included)
     kv_len: int  # slots used in ``pages`` (what the pages hold)
     pages: tuple  # page ids in slot order
     window: int  # sliding window size, 0 for none
@@ -229,7 +237,7 @@ class SequenceTable:
     def fork(self, parent: Sequence, child_id: int, fork_pos: int, copy_partial: Callable) -> None:
         """``child_id`` shares the full pages of ``parent``'s first ``fork_pos`` slots; a partial last
         page is copied into a new page by ``copy_partial(src, dst, num_slots)`` (one free page is
-        needed then). The child keeps the parent's window settings (the parent has not slid)."""
+        needed then). The child starts without a sliding window (TVM's rule; the parent has not slid)."""
         P = self.page_size
         full, partial = divmod(fork_pos, P)
         shared = parent.pages[:full].tolist()
@@ -238,9 +246,7 @@ class SequenceTable:
             page = self.pool.alloc(1)[0]
             copy_partial(int(parent.pages[full]), page, partial)
             shared.append(page)
-        child = self.add(child_id, shared, fork_pos)
-        child.window, child.sink = parent.window, parent.sink
-        child.sink_end = child.window_start = parent.sink_end
+        self.add(child_id, shared, fork_pos)
 
     def truncate(self, seq: Sequence, kv_len: int) -> None:
         """Keep the first ``kv_len`` slots; pages no longer used are released."""
@@ -265,6 +271,7 @@ class SequenceTable:
         if excess <= 0:
             return
         seq.window_start += excess
+        seq.dropped = True
         self.version += 1
         first, last = -(-seq.sink_end // P), seq.window_start // P
         if last > first:
@@ -272,7 +279,6 @@ class SequenceTable:
             drop = (last - first) * P
             seq.window_start -= drop
             seq.kv_len -= drop
-            seq.pos_offset += drop
 
     def grow(self, seq: Sequence, pages: list) -> None:
         """Append freshly allocated ``pages`` to ``seq``'s page list."""

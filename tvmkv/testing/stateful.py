@@ -88,6 +88,11 @@ class StatefulRunner:
     def length(self, sid) -> int:
         return self.model.length(sid)
 
+    def slots(self, sid) -> int:
+        """Tokens in append order (those a window dropped included): where the page shadow appends."""
+        s = self.model.seqs[sid]
+        return s.appended + len(s.tparent)
+
     def tree_nodes(self, sid) -> int:
         return len(self.model.seqs[sid].tparent)
 
@@ -95,13 +100,12 @@ class StatefulRunner:
         return self.model.seqs[sid].window
 
     def slid(self, sid) -> bool:
-        s = self.model.seqs[sid]
-        return s.length > len(s.pos)
+        return self.model.seqs[sid].slid
 
     def poppable(self, sid) -> int:
         """Most tokens ``pop_n`` may drop (the window's kept tokens once a window slid)."""
         s = self.model.seqs[sid]
-        return int((s.pos >= s.sink).sum()) if self.slid(sid) else s.length
+        return int((s.index >= s.sink).sum()) if s.slid else s.length
 
     # ---------------------------------------------------------------- prediction
     def _forward_errors(self, ids, lengths, parents) -> set:
@@ -130,7 +134,7 @@ class StatefulRunner:
         elif any(self.tree_nodes(s) for s in known):
             errs.add(ValueError)
         if not errs:
-            need = sum(self.shadow.needed(s, self.length(s), n) for s, n in zip(ids, lengths, strict=False))
+            need = sum(self.shadow.needed(s, self.slots(s), n) for s, n in zip(ids, lengths, strict=False))
             if need > self.shadow.free():
                 errs.add(OutOfPagesError)
         return errs
@@ -261,17 +265,17 @@ class StatefulRunner:
             shadow.fork(op[1], op[2], self.committed(op[2]))
         elif kind in ("pop", "commit"):
             for sid in [op[1]] if kind == "pop" else [x[0] for x in op[1]]:
-                shadow.truncate(sid, self.length(sid))
+                shadow.truncate(sid, self.slots(sid))
         elif kind == "window":
             s = self.model.seqs[op[1]]
-            shadow.slide(op[1], s.length, s.pos)
+            shadow.slide(op[1], s.appended, s.index)
 
     def _pre_forward_shadow(self, op) -> list:
         """Lengths before a forward, so the shadow can append after the call."""
         if op[0] in ("fwd", "midfwd"):
-            return [(x[0], self.length(x[0]), x[1]) for x in op[1]]
+            return [(x[0], self.slots(x[0]), x[1]) for x in op[1]]
         if op[0] == "tree":
-            return [(x[0], self.length(x[0]), len(x[1])) for x in op[1]]
+            return [(x[0], self.slots(x[0]), len(x[1])) for x in op[1]]
         return []
 
     def step(self, op) -> None:
@@ -307,7 +311,7 @@ class StatefulRunner:
             self.shadow.append(sid, length, n)
             s = self.model.seqs[sid]
             if s.window:
-                self.shadow.slide(sid, s.length, s.pos)
+                self.shadow.slide(sid, s.appended, s.index)
         self._update_shadow(op)
         self._check_state(op, free_before, force_kv=False, rejected=False)
 
@@ -461,7 +465,7 @@ class Generator:
 
     def _need(self, batch) -> int:
         r = self.r
-        return sum(r.shadow.needed(s, r.length(s), n if isinstance(n, int) else len(n)) for s, n in batch)
+        return sum(r.shadow.needed(s, r.slots(s), n if isinstance(n, int) else len(n)) for s, n in batch)
 
     def _fit(self, batch) -> list:
         """Usually (80%) trim a batch until it fits the free pages; else leave out-of-pages to chance."""
