@@ -175,12 +175,13 @@ def test_create_maps_tvm_arguments_and_rejects_what_tvmkv_lacks():
     assert kw["num_layers"] == 2 and kw["page_size"] == 32 and kw["rope_mode"] == "inline"
     assert kw["rope_theta"] == 5e5 and kw["support_sliding_window"] and kw["num_pages"] == 40
     assert kw["dtype"] == "float32" and kw["target"] == "llvm"
+    assert override.cache_kwargs(*_create_args(ext=None))["rope_mode"] == "normal"  # None: no factors (TVM)
     for change, match in [
         (dict(kinds=[0, 1]), "MLA"),
         (dict(v=32), "v_head_dim"),
         (dict(disagg=True), "disagg"),
         (dict(partition=[0, 1, 2]), "layer_partition"),
-        (dict(ext=object()), "longrope"),
+        (dict(ext=tvm.runtime.tensor(np.ones(32, "float32"), tvm.cpu())), "longrope"),
     ]:
         with pytest.raises(NotImplementedError, match=match):
             override.cache_kwargs(*_create_args(**change))

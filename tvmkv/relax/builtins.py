@@ -49,6 +49,7 @@ _SUPPORTED = (
     "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes",
     "vm.builtin.attention_kv_cache_debug_get_kv",
     "vm.builtin.attention_kv_cache_get_query_positions",
+    "vm.builtin.attention_kv_cache_empty",
 )
 
 # Functions of TVM's interface that tvmkv does not implement, and why (also in the README).
@@ -127,11 +128,18 @@ def _impls() -> dict:
         "vm.builtin.attention_kv_cache_get_sequence_length": C.sequence_length,
         "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq": C.enable_sliding_window_for_seq,
         "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes": (
-            lambda c, seq_ids, leaves: c.commit_accepted_token_tree_nodes(list(seq_ids), list(leaves))
+            lambda c, seq_ids, leaves: c.commit_accepted_token_tree_nodes(
+                list(seq_ids), list(leaves), scope="last_forward"
+            )
         ),
+        "vm.builtin.attention_kv_cache_empty": C.is_empty,
         "vm.builtin.attention_kv_cache_debug_get_kv": _debug_get_kv,
         "vm.builtin.attention_kv_cache_get_query_positions": _query_positions,
     }
+
+
+def _is_tensor(x) -> bool:
+    return hasattr(x, "__dlpack__") or type(x).__name__ in ("Tensor", "NDArray")
 
 
 def _unsupported(name: str, why: str):
@@ -193,6 +201,10 @@ class TvmBuiltinOverride:
     def install(self) -> TvmBuiltinOverride:
         if self._originals is not None:
             raise RuntimeError("this TvmBuiltinOverride is already installed")
+        # TVM's library registers these names when it loads: load it first, or its registration would
+        # collide with ours later (the process aborted when the override was entered before `import tvm`)
+        import tvm  # noqa: F401
+
         names = [CREATE, *_SUPPORTED, *UNSUPPORTED]
         self._originals = {n: tvm_ffi.get_global_func(n, allow_missing=True) for n in names}
         impls = _impls()
@@ -249,7 +261,7 @@ class TvmBuiltinOverride:
             raise NotImplementedError(f"qk_head_dim {qk_dim} != v_head_dim {v_dim}: tvmkv uses one head_dim")
         if bool(disagg):
             raise NotImplementedError("enable_disaggregation=True: disaggregated serving is not in tvmkv")
-        if not (isinstance(ext, int | float) and ext == 0):
+        if _is_tensor(ext):  # TVM treats anything but a tensor (None, 0) as "no extension factors"
             raise NotImplementedError("rope_ext_factors (longrope) are not supported by tvmkv's RoPE kernels")
         partition = [int(x) for x in partition]
         if len(partition) != 2 or partition[0] != 0:

@@ -200,6 +200,10 @@ class PagedAttentionKVCache:
         self._repeated = False  # whether the open forward was planned by RepeatDecode
 
     # ------------------------------------------------------------------ queries
+    def is_empty(self) -> bool:
+        """No sequence (on the device or swapped out) and every page free (TVM's ``Empty``)."""
+        return not self._table.resident and not self._table.swapped and self.pool.num_free == self.pool.num_pages
+
     def num_available_pages(self) -> int:
         """Pages on the free list (every one of them can be handed out)."""
         return self.pool.num_free
@@ -476,6 +480,7 @@ class PagedAttentionKVCache:
             for seq, (p, d) in zip(seqs, parents):
                 seq.tree_parent.extend(p)
                 seq.tree_depth.extend(d)
+                seq.tree_last = len(p)
         self._index.upload(plan.slot, plan.used)
         decode = plan.kernel == "paged_decode"
         self._fwd = self._launcher.bind(
@@ -585,9 +590,19 @@ class PagedAttentionKVCache:
             self._table.slide(seq)
         self._fwd = None
 
-    def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices) -> None:
+    def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices, *, scope="tree") -> None:
         """Keep, for each ``seq_ids[i]``, the root-to-leaf path ending at uncommitted node
-        ``leaf_indices[i]`` (``-1`` drops the whole tree); every other uncommitted node is dropped."""
+        ``leaf_indices[i]`` (``-1`` keeps none of it).
+
+        ``scope="tree"`` (default): the tree may have grown over several forwards; the path is kept
+        and every other uncommitted node is dropped. ``scope="last_forward"`` is TVM's rule (what the
+        drop-in for TVM's builtin does): nodes appended by earlier forwards are kept as they are, and of
+        the last forward's nodes the first ``depth(leaf) + 1`` are kept, node ``path[k]`` (indices over
+        the whole tree) copied into the ``k``-th of them; every path node must then be one of the last
+        forward's first nodes (ValueError otherwise, instead of TVM's out-of-range read).
+        """
+        if scope not in ("tree", "last_forward"):
+            raise ValueError(f"scope={scope!r} must be 'tree' or 'last_forward'")
         self.require_no_forward("commit_accepted_token_tree_nodes")
         seq_ids = [check_id(s, "seq_ids[i]") for s in seq_ids]
         seqs = [self._table.get(s) for s in seq_ids]
@@ -603,15 +618,23 @@ class PagedAttentionKVCache:
                     f"leaf index {leaf} of sequence {s} is out of range: it has {count} uncommitted nodes "
                     f"(valid: -1..{count - 1})"
                 )
-        P = self.config.page_size
-        indptr, src, dst, plans = [0], [], [], []
-        for seq, leaf in zip(seqs, leaves):
+        paths = []
+        for s, seq, leaf in zip(seq_ids, seqs, leaves):
             path = []
             while leaf >= 0:
                 path.append(leaf)
                 leaf = seq.tree_parent[leaf]
             path.reverse()
-            base = seq.tree_start
+            if scope == "last_forward" and any(node >= seq.tree_last for node in path):
+                raise ValueError(
+                    f"the accepted path {path} of sequence {s} reaches nodes of an earlier forward; with "
+                    f"scope='last_forward' its nodes must be among the last forward's {seq.tree_last}"
+                )
+            paths.append(path)
+        P = self.config.page_size
+        indptr, src, dst, plans = [0], [], [], []
+        for seq, path in zip(seqs, paths):
+            base = seq.tree_start if scope == "tree" else seq.kv_len - seq.tree_last
             pages = seq.pages
             for k, node in enumerate(path):
                 if node != k:
@@ -629,6 +652,7 @@ class PagedAttentionKVCache:
         for seq, new_len in plans:
             seq.tree_parent.clear()
             seq.tree_depth.clear()
+            seq.tree_last = 0
             self._table.truncate(seq, new_len)
 
     # ------------------------------------------------------------------ swap to host (runtime/swap.py)

@@ -57,6 +57,7 @@ class Sequence:
     sink: int = 0
     tree_parent: list = field(default_factory=list)
     tree_depth: list = field(default_factory=list)
+    tree_last: int = 0  # nodes the last token-tree forward appended (the last of tree_parent)
     _buf: np.ndarray = field(default_factory=lambda: np.zeros(16, np.int32), repr=False)
     _n: int = 0
     pages: np.ndarray = field(init=False, repr=False)  # int32 view _buf[:_n]; change it only by methods

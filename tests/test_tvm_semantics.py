@@ -1,0 +1,156 @@
+"""TVM's cache semantics that the drop-in must reproduce, checked on tvmkv's native API against NumPy
+written out here: sliding windows index the kept tokens (lengths, debug_get_kv, inline RoPE), forks
+start without a window, ``is_empty``, TVM's commit of token trees grown over several forwards, and
+the override entered before ``import tvm``. (TVM's own test file runs through the drop-in too: README,
+"Running TVM's tests on tvmkv".)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tvmkv
+
+H_QO, H_KV, D, P = 4, 2, 16, 4
+
+
+def _cache(**kw):
+    opts = dict(page_size=P, max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=64, dtype="float32")
+    opts.update(kw)
+    return tvmkv.PagedAttentionKVCache(1, H_QO, H_KV, D, **opts)
+
+
+def _rope(x, pos, theta=1e4):
+    """Rotate-half RoPE of x [n, H, D] at positions pos [n] (float64)."""
+    half = D // 2
+    ang = np.asarray(pos, np.float64)[:, None] * theta ** (-np.arange(half) * 2.0 / D)[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _attend(q, k, v):
+    """One query q [H_qo, D] over k, v [L, H_kv, D] (float64, GQA, all visible)."""
+    g = H_QO // H_KV
+    out = np.zeros((H_QO, D))
+    for h in range(H_QO):
+        s = k[:, h // g] @ q[h] * D**-0.5
+        p = np.exp(s - s.max())
+        out[h] = p @ v[:, h // g] / p.sum()
+    return out
+
+
+def _step(cache, sid, rows):
+    cache.begin_forward([sid], [len(rows)])
+    o = cache.attention_with_fused_qkv(0, rows)
+    cache.end_forward()
+    return o
+
+
+def test_sliding_window_indexes_the_kept_tokens_and_rotates_inline_at_kept_positions():
+    """Window 8 with sink 2 after 20 tokens keeps tokens 0, 1, 14..19 at positions 0..7; the next
+    token sits at position 8, and inline RoPE rotates every kept key at its kept index."""
+    rng = np.random.default_rng(0)
+    cache = _cache(rope_mode="inline", support_sliding_window=True)
+    cache.add_sequence(0)
+    cache.enable_sliding_window_for_seq(0, 8, 2)
+    rows = rng.standard_normal((21, H_QO + 2 * H_KV, D)).astype(np.float32)
+    for t in range(20):
+        _step(cache, 0, rows[t : t + 1])
+    kept = [0, 1, *range(14, 20)]
+    assert cache.sequence_length(0) == 8
+    k, v = cache.debug_get_kv(0)
+    np.testing.assert_array_equal(k[0], rows[kept, H_QO : H_QO + H_KV])
+    np.testing.assert_array_equal(v[0], rows[kept, H_QO + H_KV :])
+    with pytest.raises(ValueError):
+        cache.debug_get_kv(0, 0, 9)
+    o = _step(cache, 0, rows[20:21])
+    keys = np.concatenate([rows[kept], rows[20:21]]).astype(np.float64)
+    q = _rope(keys[-1:, :H_QO], [8])[0]
+    k_all = _rope(keys[:, H_QO : H_QO + H_KV], np.arange(9))
+    np.testing.assert_allclose(o[0], _attend(q, k_all, keys[:, H_QO + H_KV :]), atol=2e-5)
+    cache.check_integrity()
+
+
+def test_fork_starts_without_a_window():
+    rng = np.random.default_rng(1)
+    cache = _cache(support_sliding_window=True)
+    cache.add_sequence(0)
+    cache.enable_sliding_window_for_seq(0, 6, 1)
+    _step(cache, 0, rng.standard_normal((5, H_QO + 2 * H_KV, D)).astype(np.float32))
+    cache.fork_sequence(0, 1)
+    assert cache.sequence_info(1).window == 0 and cache.sequence_info(0).window == 6
+    for _ in range(4):  # the child grows past the parent's window and keeps everything
+        _step(cache, 1, rng.standard_normal((1, H_QO + 2 * H_KV, D)).astype(np.float32))
+    assert cache.sequence_length(1) == 9
+    cache.check_integrity()
+
+
+def test_is_empty():
+    cache = _cache()
+    assert cache.is_empty()
+    cache.add_sequence(0)
+    assert not cache.is_empty()
+    _step(cache, 0, np.zeros((5, H_QO + 2 * H_KV, D), np.float32))
+    prefix = tvmkv.RadixPrefixCache(cache)
+    prefix.finish_sequence(0, list(range(5)))
+    assert cache.sequence_ids() == [] and not cache.is_empty()  # the prefix cache holds pages
+    prefix.reset()
+    assert cache.is_empty()
+
+
+def test_commit_last_forward_scope_is_tvms_rule():
+    """A tree grown over two forwards: with scope="last_forward", the first forward's node stays, and
+    of the last forward's 4 nodes the accepted path [0, 2] (indices over the whole tree) keeps the
+    last forward's tokens 0 and 2; scope="tree" keeps the path itself."""
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((8, H_QO + 2 * H_KV, D)).astype(np.float32)
+    k_of = rows[:, H_QO : H_QO + H_KV]
+    for scope, kept in [("last_forward", [0, 1, 2, 3, 4, 6]), ("tree", [0, 1, 2, 3, 5])]:
+        cache = _cache()
+        cache.add_sequence(0)
+        _step(cache, 0, rows[:3])
+        cache.begin_forward([0], [1], [-1])  # node 0
+        cache.attention_with_fused_qkv(0, rows[3:4])
+        cache.end_forward()
+        cache.begin_forward([0], [4], [0, 0, 1, 1])  # nodes 1..4
+        cache.attention_with_fused_qkv(0, rows[4:8])
+        cache.end_forward()
+        cache.commit_accepted_token_tree_nodes([0], [2], scope=scope)  # node 2: path [0, 2]
+        assert cache.sequence_length(0) == len(kept), scope
+        np.testing.assert_array_equal(cache.debug_get_kv(0)[0][0], k_of[kept], err_msg=scope)
+        cache.check_integrity()
+
+
+def test_commit_last_forward_rejects_paths_into_earlier_forwards():
+    cache = _cache()
+    cache.add_sequence(0)
+    cache.begin_forward([0], [2], [-1, 0])  # nodes 0, 1
+    cache.attention_with_fused_qkv(0, np.zeros((2, H_QO + 2 * H_KV, D), np.float32))
+    cache.end_forward()
+    cache.begin_forward([0], [1], [1])  # node 2 (the last forward has one node)
+    cache.attention_with_fused_qkv(0, np.zeros((1, H_QO + 2 * H_KV, D), np.float32))
+    cache.end_forward()
+    with pytest.raises(ValueError, match="earlier forward"):
+        cache.commit_accepted_token_tree_nodes([0], [2], scope="last_forward")
+    assert cache.sequence_length(0) == 3 and cache.sequence_info(0).num_tree_nodes == 3
+    with pytest.raises(ValueError, match="scope"):
+        cache.commit_accepted_token_tree_nodes([0], [2], scope="all")
+
+
+def test_override_entered_before_import_tvm():
+    """Entering the override before TVM's library is loaded used to abort the process (TVM registered
+    the same names again while loading)."""
+    code = (
+        "import tvmkv.relax, sys; assert 'tvm' not in sys.modules\n"
+        "o = tvmkv.relax.TvmBuiltinOverride(); o.__enter__()\n"
+        "import tvm; f = tvm.get_global_func('vm.builtin.attention_kv_cache_empty'); o.__exit__(None, None, None)\n"
+        "print('ok')"
+    )
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
