@@ -720,6 +720,9 @@ def arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """``python -m tvmkv build ...``: build kernel sets, print one line per set, return the exit code."""
     args = arg_parser().parse_args(argv)
+    if args.jobs < 1:
+        print(f"tvmkv build: error: -j/--jobs {args.jobs} must be >= 1 (kernel sets built at once)", file=sys.stderr)
+        return 2
     try:
         archs = [a.strip() for a in (args.arch or default_cuda_arch()).split(",") if a.strip()]
     except ValueError as err:  # a bad $TVMKV_CUDA_ARCH

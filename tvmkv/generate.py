@@ -30,7 +30,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -343,13 +343,15 @@ def _parser() -> argparse.ArgumentParser:
         "--export-lib",
         default=None,
         metavar="PATH",
-        help="compile the model, write it to PATH (.so) with its parameter names (.json), and exit",
+        help="compile the model, write it to PATH (.so) with its parameter names and what it was compiled for "
+        "(.json), and exit",
     )
     p.add_argument(
         "--model-lib",
         default=None,
         metavar="PATH",
-        help="run a model library written by --export-lib instead of compiling (runtime-only TVM)",
+        help="run a model library written by --export-lib instead of compiling (runtime-only TVM); --layers, "
+        "--head-dim, --dtype, --interface and --target must be the ones it was exported with",
     )
     return p
 
@@ -361,8 +363,125 @@ def _runtime_only() -> bool:
     return os.environ.get("TVM_USE_RUNTIME_LIB") == "1"
 
 
+def _fail(problem: str) -> int:
+    """Print ``problem`` as the one-line error of a bad option; the exit status of a usage error."""
+    print(f"tvmkv generate: error: {problem}", file=sys.stderr)
+    return 2
+
+
+# what an exported model library was compiled for, compared with the run's options on --model-lib
+# (LlamaConfig's fields but the seed, which only draws the weights at run time): key -> its option
+_MODEL_FLAGS = {
+    "num_layers": "--layers",
+    "head_dim": "--head-dim",
+    "dtype": "--dtype",
+    "interface": "--interface",
+    "target": "--target",
+}
+
+
+def _model_key(cfg, interface: str, target: str) -> dict:
+    """What a compiled model library depends on: the model's shape, its cache interface, the target."""
+    key = {k: v for k, v in asdict(cfg).items() if k != "seed"}
+    return {**key, "interface": interface, "target": target}
+
+
+def _check_options(args) -> str | None:
+    """The first bad option as one line (None when all are good), found before anything is compiled."""
+    from tvmkv.config import CacheConfig
+    from tvmkv.relax.llama_config import LlamaConfig
+
+    positive = {
+        "--layers": args.layers,
+        "--page-size": args.page_size,
+        "--prefill-chunk-size": args.prefill_chunk_size,
+        "--max-batch-size": args.max_batch_size,
+        "--num-pages": args.num_pages,
+    }
+    for flag, value in positive.items():
+        if value is not None and value <= 0:
+            return f"{flag} {value} must be a positive int"
+    for flag, value in {"--seed": args.seed, "--system-prompt": args.system_prompt}.items():
+        if value is not None and value < 0:
+            return f"{flag} {value} must be >= 0"
+    if args.export_lib and args.model_lib:
+        return "pass --export-lib (compile and write the model) or --model-lib (run a written one), not both"
+    cfg = LlamaConfig(num_layers=args.layers, head_dim=args.head_dim, dtype=args.dtype, seed=args.seed)
+    requests = default_requests(cfg.vocab_size, args.seed, _system_prompt(args))
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    need = -(-longest // args.page_size)
+    if args.num_pages is not None and args.num_pages < need:
+        return (
+            f"--num-pages {args.num_pages} cannot hold the longest sequence ({longest} tokens: {need} pages of "
+            f"{args.page_size}); pass at least {need}"
+        )
+    try:  # the cache's own checks (a power-of-two page size ...)
+        CacheConfig(
+            cfg.num_layers,
+            cfg.num_qo_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            **_sizes(args, requests),
+            dtype=cfg.dtype,
+            rope_mode="normal",
+            target_kind=args.target,
+            num_pages=args.num_pages,
+        )
+    except ValueError as err:
+        return f"{err} (options --page-size, --prefill-chunk-size, --max-batch-size, --num-pages)"
+    if args.model_lib:
+        return _check_model_lib(Path(args.model_lib), _model_key(cfg, args.interface, args.target))
+    return None
+
+
+def _check_model_lib(path: Path, want: dict) -> str | None:
+    """Whether the library ``path`` written by ``--export-lib`` exists and was compiled for ``want``."""
+    meta = path.with_suffix(".json")
+    if not path.is_file() or not meta.is_file():
+        return f"--model-lib {path}: no such library, or no {meta.name} beside it (both written by --export-lib)"
+    try:
+        have = json.loads(meta.read_text()).get("model")
+    except (ValueError, OSError, AttributeError) as err:
+        return f"--model-lib {path}: {meta} is not the JSON object --export-lib writes ({err})"
+    if have is None:
+        print(f"  note: {meta} does not say what the model was compiled for (an older --export-lib); not checked")
+        return None
+    diffs = [
+        f"{key}={have.get(key)!r} where this run has {value!r}"
+        + (f" ({_MODEL_FLAGS[key]})" if key in _MODEL_FLAGS else " (not an option: export it with this tvmkv)")
+        for key, value in want.items()
+        if have.get(key) != value
+    ]
+    if diffs:
+        return (
+            f"--model-lib {path} was exported for another model: {'; '.join(diffs)}; run with the options it was "
+            "exported with, or export it again with --export-lib"
+        )
+    return None
+
+
+def _system_prompt(args) -> int:
+    return args.system_prompt if args.system_prompt is not None else 32 * args.prefix_cache
+
+
+def _sizes(args, requests) -> dict:
+    """The cache's sizes: room for 4 times the workload, or the pool of ``--num-pages``."""
+    max_total = 4 * sum(len(r.prompt) + r.max_new_tokens for r in requests)
+    if args.num_pages is not None:  # scarce memory: the pool, not the longest sequence, limits
+        max_total = min(max_total, args.num_pages * args.page_size)
+    return dict(
+        max_batch_size=args.max_batch_size,
+        max_total_seq_len=max_total,
+        prefill_chunk_size=args.prefill_chunk_size,
+        page_size=args.page_size,
+    )
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    problem = _check_options(args)
+    if problem is not None:
+        return _fail(problem)
     from tvmkv.payload import bootstrap
 
     bootstrap()  # before tvm: $TVMKV_PAYLOAD's runtime-only TVM on a GPU host
@@ -375,36 +494,19 @@ def main(argv=None) -> int:
     from tvmkv.target import default_cuda_arch
 
     if args.target == "cuda" and args.export_lib is None and args.model_lib is None and _runtime_only():
-        print(
-            "error: this TVM is runtime-only: compile with --export-lib on a build machine, pass --model-lib",
-            file=sys.stderr,
-        )
-        return 2
-
+        return _fail("this TVM is runtime-only: compile with --export-lib on a build machine, pass --model-lib")
     if args.target == "cuda" and not tvm.cuda(0).exist and not args.export_lib:
-        print("error: --target cuda but no CUDA device is present; use --target llvm", file=sys.stderr)
-        return 2
+        return _fail("--target cuda but no CUDA device is present; use --target llvm")
     cfg = LlamaConfig(num_layers=args.layers, head_dim=args.head_dim, dtype=args.dtype, seed=args.seed)
     weights = make_weights(cfg)
     device = tvm.cpu(0) if args.target == "llvm" else tvm.cuda(0)
     arch = args.cuda_arch
     if args.target == "cuda" and arch is None:
         arch = "sm_" + device.compute_version.replace(".", "") if device.exist else default_cuda_arch()
-    system_prompt = args.system_prompt if args.system_prompt is not None else 32 * args.prefix_cache
-    if system_prompt < 0:
-        print(f"error: --system-prompt {system_prompt} must be >= 0", file=sys.stderr)
-        return 2
+    system_prompt = _system_prompt(args)
     requests = default_requests(cfg.vocab_size, args.seed, system_prompt)
     fork = (0, 3, 8)
-    max_total = 4 * sum(len(r.prompt) + r.max_new_tokens for r in requests)
-    if args.num_pages is not None:  # scarce memory: the pool, not the longest sequence, limits
-        max_total = min(max_total, args.num_pages * args.page_size)
-    sizes = dict(
-        max_batch_size=args.max_batch_size,
-        max_total_seq_len=max_total,
-        prefill_chunk_size=args.prefill_chunk_size,
-        page_size=args.page_size,
-    )
+    sizes = _sizes(args, requests)
     print(
         f"[tvmkv generate] {cfg}\n  target={args.target}{' ' + arch if arch else ''} interface={args.interface} {sizes}"
     )
@@ -418,7 +520,8 @@ def main(argv=None) -> int:
         print(f"  model compiled in {time.perf_counter() - t0:.1f}s")
     if args.export_lib:
         ex.export_library(args.export_lib)
-        Path(args.export_lib).with_suffix(".json").write_text(json.dumps({"param_names": names}))
+        meta = {"param_names": names, "model": _model_key(cfg, args.interface, args.target)}
+        Path(args.export_lib).with_suffix(".json").write_text(json.dumps(meta))
         print(f"  wrote {args.export_lib}")
         return 0
     override = TvmBuiltinOverride(build_dir=args.build_dir, cuda_arch=arch, num_pages=args.num_pages)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import CacheConfig
 from .reference.cache_model import CacheModel
 from .runtime.tensors import numpy_dtype
 from .testing import cache_kwargs, make_cache
@@ -302,6 +303,45 @@ def replay(name, *, target="llvm", on_row=None, seed=0, **options) -> list:
     return rows
 
 
+_FLAGS = {  # cache parameter -> the option that sets it
+    "head_dim": "--head-dim",
+    "num_qo_heads": "--num-qo-heads",
+    "num_kv_heads": "--num-kv-heads",
+    "page_size": "--page-size",
+    "decode_splits": "--decode-splits",
+}
+
+
+def _check_options(args) -> str | None:
+    """The first bad option as one line (None when all are good), found before any cache is built."""
+    for name, flag in _FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            return f"{flag} {value} must be a positive int"
+    kw = cache_kwargs(
+        args.target,
+        dtype=args.dtype,
+        head_dim=args.head_dim,
+        num_qo_heads=args.num_qo_heads,
+        num_kv_heads=args.num_kv_heads,
+        page_size=args.page_size,
+        rope_mode=args.rope_mode,
+        decode_splits=args.decode_splits,
+    )
+    kw["target_kind"] = kw.pop("target")
+    try:
+        CacheConfig(**kw)  # the cache's own checks (head_dim a multiple of 16, GQA group, page size ...)
+    except ValueError as err:
+        flag = next((f for name, f in _FLAGS.items() if str(err).startswith(name + "=")), None)
+        return f"{err}" + (f" (option {flag})" if flag else "")
+    if args.target == "cuda":
+        import tvm
+
+        if not tvm.cuda(0).exist:
+            return "--target cuda but no CUDA device is present; use --target llvm"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tvmkv replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("scenarios", nargs="*", help=f"scenario names (default: all): {', '.join(SCENARIOS)}")
@@ -322,8 +362,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     names = args.scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
-    if unknown:
-        ap.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
+    problem = f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}" if unknown else _check_options(args)
+    if problem is not None:
+        print(f"tvmkv replay: error: {problem}", file=sys.stderr)
+        return 2
     failures = 0
     for name in names:
         print(

@@ -187,7 +187,11 @@ def foreign_shape(cache, layout: str, num_blocks: int) -> tuple:
     ``layout``, or ``num_blocks`` tokens of the "contiguous" layout (docs/layout.md)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
-    return _foreign_shape(layout, _int(num_blocks, "num_blocks"), cache.config.num_layers, cache.config.kernel_spec)
+    num_blocks = _int(num_blocks, "num_blocks")
+    if num_blocks < 0:
+        unit = "tokens" if layout == "contiguous" else "blocks"
+        raise ValueError(f"num_blocks={num_blocks} must be >= 0 (the number of {unit} of the foreign array)")
+    return _foreign_shape(layout, num_blocks, cache.config.num_layers, cache.config.kernel_spec)
 
 
 # ---------------------------------------------------------------------------------------------- page tables

@@ -59,6 +59,7 @@ import numpy as np
 
 from ..errors import OutOfPagesError
 from .radix import token_ids_tuple
+from .sequences import as_int, check_id
 
 WAITING, RUNNING, SWAPPED = "waiting", "running", "swapped"
 PREEMPTION_MODES = ("swap", "recompute")
@@ -100,12 +101,16 @@ class Part:
 
 @dataclass
 class StepPlan:
-    """What :meth:`Scheduler.schedule` decided for one forward (already applied to the cache)."""
+    """What :meth:`Scheduler.schedule` decided for one forward (already applied to the cache).
+
+    ``done`` is set by :meth:`Scheduler.step_done`: a plan is completed once.
+    """
 
     parts: list = field(default_factory=list)
     preempted: list = field(default_factory=list)  # (seq_id, "swap" | "recompute")
     swapped_in: list = field(default_factory=list)  # seq ids
     admitted: list = field(default_factory=list)  # seq ids added to the cache this step
+    done: bool = False
 
     @property
     def seq_ids(self) -> list:
@@ -173,22 +178,23 @@ class Scheduler:
         prefix_cache=None,
     ):
         cfg = cache.config
-        token_budget = cfg.prefill_chunk_size if token_budget is None else token_budget
-        max_batch_size = cfg.max_batch_size if max_batch_size is None else max_batch_size
-        if not 0 < token_budget <= cfg.prefill_chunk_size:
-            raise ValueError(f"token_budget={token_budget} must be in [1, prefill_chunk_size={cfg.prefill_chunk_size}]")
-        if not 0 < max_batch_size <= cfg.max_batch_size:
-            raise ValueError(f"max_batch_size={max_batch_size} must be in [1, {cfg.max_batch_size}] (the cache's)")
-        if preemption not in PREEMPTION_MODES:
+        chunk, batch, total = cfg.prefill_chunk_size, cfg.max_batch_size, cfg.total_pages
+        if token_budget is not None:
+            why = f"new tokens of one forward: at most the cache's prefill_chunk_size={chunk}, or None for that"
+            token_budget = _int_in(token_budget, "token_budget", 1, chunk, meaning=why)
+        if max_batch_size is not None:
+            why = f"sequences of one forward: at most the cache's max_batch_size={batch}, or None for that"
+            max_batch_size = _int_in(max_batch_size, "max_batch_size", 1, batch, meaning=why)
+        why = f"free pages admissions leave untouched: fewer than the cache's {total} pages, or nothing is admitted"
+        watermark_pages = _int_in(watermark_pages, "watermark_pages", 0, total - 1, meaning=why)
+        if not isinstance(preemption, str) or preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption={preemption!r} is not one of {PREEMPTION_MODES}")
-        if watermark_pages < 0:
-            raise ValueError(f"watermark_pages={watermark_pages} must be >= 0")
         if prefix_cache is not None and prefix_cache.cache is not cache:
             raise ValueError("prefix_cache is over another cache; pass RadixPrefixCache(cache) of this cache")
         self.cache = cache
         self.ops = cache if ops is None else ops
-        self.token_budget = token_budget
-        self.max_batch_size = max_batch_size
+        self.token_budget: int = cfg.prefill_chunk_size if token_budget is None else token_budget
+        self.max_batch_size: int = cfg.max_batch_size if max_batch_size is None else max_batch_size
         self.preemption = preemption
         self.watermark_pages = watermark_pages
         self.prefix_cache = prefix_cache
@@ -198,6 +204,7 @@ class Scheduler:
         self.seqs: dict = {}  # seq_id -> SeqState (unfinished sequences)
         self.queues: dict = {WAITING: [], RUNNING: [], SWAPPED: []}  # each sorted by arrival
         self._arrivals = itertools.count()
+        self._open: StepPlan | None = None  # the last plan schedule() returned, until step_done
 
     # ------------------------------------------------------------------ requests
     def add_request(self, seq_id, num_prompt_tokens=None, *, tokens=None) -> None:
@@ -206,27 +213,38 @@ class Scheduler:
         Parameters
         ----------
         seq_id : int
+            Not used by another request of this scheduler nor by a sequence in the cache (on the
+            device or swapped out).
         num_prompt_tokens : int, optional
-            The prompt's length (default ``len(tokens)``).
+            The prompt's length (default ``len(tokens)``); its pages must fit in the cache.
         tokens : sequence of int, optional
             The prompt's token ids. With a prefix cache, a request given with them reuses cached
             prefixes and is inserted into the tree; ``step_done`` then needs its sampled tokens.
+
+        Raises TypeError, KeyError (an id in use) or ValueError before queueing anything, so that
+        :meth:`schedule` can admit it.
         """
-        if seq_id in self.seqs:
-            raise KeyError(f"seq_id {seq_id} is already scheduled; pick another id")
+        seq_id = self._new_id(seq_id, "seq_id")
         if tokens is not None:
             tokens = list(token_ids_tuple(tokens, "tokens"))
             if num_prompt_tokens is None:
                 num_prompt_tokens = len(tokens)
-            elif num_prompt_tokens != len(tokens):
-                raise ValueError(
-                    f"num_prompt_tokens={num_prompt_tokens} of sequence {seq_id} != len(tokens)={len(tokens)}; "
-                    "pass one of them"
-                )
         if num_prompt_tokens is None:
             raise TypeError(f"add_request of sequence {seq_id} needs num_prompt_tokens or tokens")
+        num_prompt_tokens = as_int(num_prompt_tokens, "num_prompt_tokens")
+        if tokens is not None and num_prompt_tokens != len(tokens):
+            raise ValueError(
+                f"num_prompt_tokens={num_prompt_tokens} of sequence {seq_id} != len(tokens)={len(tokens)}; "
+                "pass one of them"
+            )
         if num_prompt_tokens <= 0:
             raise ValueError(f"num_prompt_tokens={num_prompt_tokens} of sequence {seq_id} must be positive")
+        pages = -(-num_prompt_tokens // self.page_size)
+        if pages > self.total_pages:
+            raise ValueError(
+                f"num_prompt_tokens={num_prompt_tokens} of sequence {seq_id} needs {pages} pages, more than the "
+                f"cache's {self.total_pages}; shorten the prompt or build the cache with more pages"
+            )
         self._enqueue(SeqState(seq_id, next(self._arrivals), num_prompt_tokens, tokens=tokens), WAITING)
 
     def fork(self, parent_seq_id, child_seq_id, *, tokens=None) -> bool:
@@ -235,9 +253,8 @@ class Scheduler:
         free for the copy of a partial last page; otherwise it is queued as waiting and recomputed.
         ``tokens`` (optional): the child's token ids (as many as the parent's). Returns whether it
         shares the parent's pages."""
-        parent = self.seqs[parent_seq_id]
-        if child_seq_id in self.seqs:
-            raise KeyError(f"child_seq_id {child_seq_id} is already scheduled; pick another id")
+        parent = self._known(parent_seq_id, "parent_seq_id")
+        child_seq_id = self._new_id(child_seq_id, "child_seq_id")
         if tokens is not None:
             tokens = list(token_ids_tuple(tokens, "tokens"))
             if len(tokens) != parent.num_tokens:
@@ -262,8 +279,9 @@ class Scheduler:
     def finish(self, seq_id) -> None:
         """Drop ``seq_id`` from the scheduler and the cache (wherever it is). With a prefix cache, a
         sequence on the device with token ids is inserted into it first (its pages stay cached)."""
-        st = self.seqs[seq_id]
-        if st.status == RUNNING and self._uses_prefix(st):
+        st = self._known(seq_id, "seq_id")
+        seq_id = st.seq_id
+        if st.status == RUNNING and self.prefix_cache is not None and st.tokens is not None:
             self.prefix_cache.insert(seq_id, st.tokens[: st.num_computed])
         del self.seqs[seq_id]
         self.queues[st.status].remove(st)
@@ -281,9 +299,20 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next forward and apply its preemptions, swap-ins and admissions to the cache.
 
-        Raises RuntimeError when nothing can run (a sequence that needs more pages than the cache has).
+        Raises before changing anything: ForwardStateError (a forward is open), KeyError (a waiting
+        request's id was taken in the cache since ``add_request``), RuntimeError when nothing can run
+        (a sequence that needs more pages than the cache has). The plan it returns supersedes any
+        plan not yet reported to :meth:`step_done`.
         """
         P, cache, prefix = self.page_size, self.cache, self.prefix_cache
+        cache.require_no_forward("Scheduler.schedule")
+        in_cache = set(cache.sequence_ids()).union(cache.swapped_sequence_ids())
+        for st in self.queues[WAITING]:
+            if st.seq_id in in_cache:
+                raise KeyError(
+                    f"request {st.seq_id} is waiting, but a sequence {st.seq_id} was added to the cache outside this "
+                    f"scheduler; remove that sequence from the cache or finish({st.seq_id}) the request"
+                )
         budget, slots = self.token_budget, self.max_batch_size
         base_free = cache.num_available_pages()
         chosen = {}  # seq_id -> (SeqState, num_tokens)
@@ -385,6 +414,7 @@ class Scheduler:
                 f"{self.total_pages}; pages may be held by sequences this scheduler does not manage"
             )
         self.stats.steps += 1
+        self._open = plan
         return plan
 
     def step_done(self, plan: StepPlan, finished=(), *, sampled=None) -> None:
@@ -394,8 +424,29 @@ class Scheduler:
         ``sampled`` : dict seq_id -> token id, the token sampled for each part with ``samples`` of a
         sequence with token ids (required for those; ignored for the others). With a prefix cache,
         the full pages of the forward's sequences are then inserted into it.
+
+        Raises before changing anything: ValueError for a plan already completed or superseded by a
+        later :meth:`schedule` (or one of whose sequences was finished meanwhile), KeyError /
+        TypeError / ValueError for ``finished`` (ids this scheduler knows, each once) and ``sampled``.
         """
+        if plan is not self._open:
+            if getattr(plan, "done", False):
+                raise ValueError("this plan was already completed by step_done (a plan can be completed once)")
+            raise ValueError(
+                "this plan is not the one the last schedule() returned; report each plan once, before the next "
+                "schedule()"
+            )
+        gone = [p.seq_id for p in plan.parts if p.seq_id not in self.seqs]
+        if gone:
+            raise ValueError(
+                f"sequences {gone} of this plan were finished before step_done; pass them in finished= instead"
+            )
+        finished = [self._known(sid, "finished[i]").seq_id for sid in finished]
+        if len(set(finished)) != len(finished):
+            raise ValueError(f"finished={finished} names a sequence twice; pass each once")
         sampled = {} if sampled is None else sampled
+        if not isinstance(sampled, dict):
+            raise TypeError(f"sampled must be a dict seq_id -> token id, not {type(sampled).__name__}")
         need = [p.seq_id for p in plan.parts if p.samples and self.seqs[p.seq_id].tokens is not None]
         missing = [sid for sid in need if sid not in sampled]
         if missing:
@@ -403,6 +454,7 @@ class Scheduler:
                 f"sequences {missing} have token ids and sampled a token: pass sampled={{seq_id: token}} for them"
             )
         new = {sid: _token(sampled[sid], sid) for sid in need}  # validated before anything changes
+        plan.done, self._open = True, None
         for part in plan.parts:
             st = self.seqs[part.seq_id]
             st.num_computed += part.num_tokens
@@ -422,6 +474,25 @@ class Scheduler:
             self.finish(sid)
 
     # ------------------------------------------------------------------ internals
+    def _new_id(self, seq_id, name: str) -> int:
+        """``seq_id`` as an int (the cache's id rule) that no request and no sequence in the cache uses."""
+        seq_id = check_id(seq_id, name)
+        if seq_id in self.seqs:
+            raise KeyError(f"{name} {seq_id} is already scheduled ({self.seqs[seq_id].status}); pick another id")
+        if seq_id in self.cache.sequence_ids() or seq_id in self.cache.swapped_sequence_ids():
+            raise KeyError(
+                f"{name} {seq_id} is used by a sequence in the cache that this scheduler does not manage; pick "
+                "another id or remove that sequence first"
+            )
+        return seq_id
+
+    def _known(self, seq_id, name: str) -> SeqState:
+        """The state of ``seq_id``, a request of this scheduler (KeyError names it otherwise)."""
+        st = self.seqs.get(check_id(seq_id, name))
+        if st is None:
+            raise KeyError(f"{name} {seq_id} is not a request of this scheduler (finished, or never added)")
+        return st
+
     def _tokens_fitting(self, st: SeqState, limit: int, pages: int) -> int:
         """Most tokens (<= ``limit``) ``st`` can append using at most ``pages`` free pages (0 if none,
         e.g. when its shared last page would need a copy)."""
@@ -459,22 +530,35 @@ class Scheduler:
                     self.stats.preempted_recompute += 1
                 plan.preempted.append((v.seq_id, self.preemption))
         # admissions before swap-ins: the pages they share from the prefix cache are then held, so
-        # the evictions of swap_in (and of begin_forward) cannot take them
-        for st, reused in admit.values():
+        # the evictions of swap_in (and of begin_forward) cannot take them. The cache calls come first;
+        # should one fail, the admitted sequences leave the cache again and the queues stay as they were
+        # (admissions and swap-ins happen only in a step without preemption)
+        reused_by: dict = {}
+        try:
+            for st, reused in admit.values():
+                if self._uses_prefix(st):
+                    got = self.prefix_cache.add_sequence_with_prefix(st.seq_id, st.tokens)
+                    reused_by[st.seq_id] = got
+                    assert got == reused, "the tree changed between planning and admission"
+                else:
+                    self.ops.add_sequence(st.seq_id)
+                    reused_by[st.seq_id] = 0
+            if swap_in:
+                self.cache.swap_in([st.seq_id for st in swap_in])
+        except BaseException:
+            for sid in reversed(list(reused_by)):
+                self.ops.remove_sequence(sid)
+            raise
+        for st, _ in admit.values():
             if self._uses_prefix(st):
-                got = self.prefix_cache.add_sequence_with_prefix(st.seq_id, st.tokens)
-                assert got == reused, "the tree changed between planning and admission"
-                st.num_computed = st.num_cached = got
-                self.stats.reused_tokens += got
-            else:
-                self.ops.add_sequence(st.seq_id)
+                st.num_computed = st.num_cached = reused_by[st.seq_id]
+                self.stats.reused_tokens += st.num_computed
             self.stats.recomputed_tokens += max(0, st.num_dropped - st.num_computed)
             st.num_dropped = 0
             self.queues[WAITING].remove(st)
             self._enqueue(st, RUNNING)
             plan.admitted.append(st.seq_id)
         if swap_in:
-            self.cache.swap_in([st.seq_id for st in swap_in])
             for st in swap_in:
                 self.queues[SWAPPED].remove(st)
                 self._enqueue(st, RUNNING)
@@ -489,6 +573,18 @@ class Scheduler:
         self.seqs[st.seq_id] = st
         queue = self.queues[status]
         queue.insert(bisect.bisect(queue, st.arrival, key=lambda s: s.arrival), st)
+
+
+def _int_in(value, name: str, lo: int, hi: int, *, meaning: str) -> int:
+    """``value`` as a Python int in ``[lo, hi]``; the TypeError / ValueError names it, the range and
+    what it means."""
+    try:
+        value = as_int(value, name)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} must be an int in [{lo}, {hi}] ({meaning})") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} must be in [{lo}, {hi}] ({meaning})")
+    return value
 
 
 def _token(value, seq_id) -> int:
