@@ -35,6 +35,7 @@ class CacheConfig:
     cuda_arch: str | None = None
     num_pages: int | None = None
     decode_splits: int | None = None
+    layer_windows: tuple = ()  # per-layer sliding window (0: full attention); () = every layer full
 
     def __post_init__(self):
         for name in ("num_layers", "max_batch_size", "max_total_seq_len", "prefill_chunk_size"):
@@ -61,6 +62,15 @@ class CacheConfig:
                     "raise num_pages or lower max_total_seq_len"
                 )
 
+        if self.layer_windows:
+            ws = self.layer_windows
+            if not isinstance(ws, tuple) or len(ws) != self.num_layers:
+                raise ValueError(
+                    f"layer_windows={ws!r} must be a tuple of {self.num_layers} window sizes (one per layer, 0 for "
+                    "full attention)"
+                )
+            if any(not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in ws):
+                raise ValueError(f"layer_windows={ws!r}: each window must be an int >= 0 (0: full attention)")
         if self.decode_splits is not None and (
             not isinstance(self.decode_splits, int) or isinstance(self.decode_splits, bool) or self.decode_splits < 1
         ):
@@ -73,6 +83,11 @@ class CacheConfig:
         return KernelSpec(
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.target_kind
         )
+
+    @property
+    def has_local_layers(self) -> bool:
+        """Whether some layer attends within a sliding window of its own (``layer_windows``)."""
+        return any(self.layer_windows)
 
     @property
     def total_pages(self) -> int:

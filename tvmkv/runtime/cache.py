@@ -26,7 +26,7 @@ from ..target import parse_target
 from . import tensors
 from .decode_split import NO_SPLIT
 from .index_buffer import RING, IndexBuffers
-from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer
+from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer, run_shared
 from .pages import PageHolder, PagePool
 from .plan import PackedLayout, RepeatDecode, plan_step
 from .sequences import SequenceInfo, SequenceTable, as_int, check_id
@@ -83,6 +83,11 @@ class PagedAttentionKVCache:
     memory_fraction : float, optional
         Instead of ``num_pages``: size the pool to this fraction of the device's free memory
         (as vLLM's ``gpu_memory_utilization``), all layers together.
+    layer_windows : sequence of int, optional
+        Per-layer sliding window (TVM's ``MHA_SLIDING`` layers, e.g. Gemma's local layers): layer ``l``
+        with ``layer_windows[l] = W > 0`` lets a query at position ``p`` see keys at positions
+        ``(p - W, p]`` only; 0 means full attention. The cache keeps every token (other layers need
+        them); only the mask changes. Default: every layer full.
     decode_splits : int, optional
         Flash-decoding: a decode step may cut its sequences' keys into chunks that run in separate
         thread blocks and are merged after (docs/layout.md, "Split decode"). ``None`` (default) splits
@@ -114,6 +119,7 @@ class PagedAttentionKVCache:
         num_pages=None,
         memory_fraction=None,
         decode_splits=None,
+        layer_windows=None,
         build_dir=None,
     ):
         kind, arch = parse_target(target)
@@ -152,6 +158,7 @@ class PagedAttentionKVCache:
             cuda_arch=arch,
             num_pages=num_pages,
             decode_splits=decode_splits,
+            layer_windows=_windows(layer_windows, num_layers),
         )
         self._setup(config, build_dir)
 
@@ -180,6 +187,7 @@ class PagedAttentionKVCache:
             sliding=cfg.support_sliding_window,
             arch=cfg.cuda_arch,
             build_dir=build_dir,
+            **_local_option(cfg),
         )
         num_sms = device.multi_processor_count if cfg.target_kind == "cuda" else 0
         self._launcher = Launcher(cfg, device, self.kernels, num_sms)
@@ -195,7 +203,9 @@ class PagedAttentionKVCache:
         self._index = IndexBuffers(device, arrays + -(-cfg.max_total_seq_len // cfg.page_size) + B)
         self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, device.dlpack_device_type()
         self._default_sm_scale = cfg.head_dim**-0.5
+        self._windows = cfg.layer_windows or (0,) * cfg.num_layers
         self._fwd: Forward | None = None
+        self._layers_run: set = set()  # layers whose attention ran in the open forward
         self._repeat: RepeatDecode | None = None
         self._repeated = False  # whether the open forward was planned by RepeatDecode
 
@@ -439,6 +449,10 @@ class PagedAttentionKVCache:
                 f"{total} new tokens exceed prefill_chunk_size={cfg.prefill_chunk_size}; split the forward into chunks"
             )
         tree = token_tree_parent_ptr is not None
+        if tree and cfg.has_local_layers:
+            raise ValueError(
+                f"token trees are not supported with per-layer sliding windows (layer_windows={cfg.layer_windows})"
+            )
         parents = self._check_tree(seq_ids, seqs, lengths, token_tree_parent_ptr) if tree else None
         if not tree and any(map(_TREE, seqs)):
             for s, seq in zip(seq_ids, seqs):
@@ -483,6 +497,7 @@ class PagedAttentionKVCache:
                 seq.tree_last = len(p)
         self._index.upload(plan.slot, plan.used)
         decode = plan.kernel == "paged_decode"
+        self._layers_run.clear()
         self._fwd = self._launcher.bind(
             plan.seq_ids,
             plan.lengths,
@@ -516,6 +531,7 @@ class PagedAttentionKVCache:
             fwd = self._launcher.bind(R.seq_ids, R.ones, len(R.seqs), "paged_decode", [], dev, slot, split)
             R.forwards[slot] = fwd
         self._fwd = fwd
+        self._layers_run.clear()
         self._repeated = True
         return True
 
@@ -545,17 +561,12 @@ class PagedAttentionKVCache:
         layer = layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")
         if not 0 <= layer < cfg.num_layers:
             raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
-        if sm_scale is None:
-            sm_scale = self._default_sm_scale
-        else:
-            if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating, np.integer)):
-                raise TypeError(f"sm_scale={sm_scale!r} must be a float (e.g. head_dim ** -0.5) or None")
-            sm_scale = float(sm_scale)
-            if not math.isfinite(sm_scale):
-                raise ValueError(f"sm_scale={sm_scale} must be finite")
+        sm_scale = self._default_sm_scale if sm_scale is None else self._sm_scale(sm_scale)
+        window = self._windows[layer]
         if self._tvm_ok(qkv, fwd.qkv_shape) and (out is None or self._tvm_ok(out, fwd.o_shape)):
             o = self._output_buffer(None, "tvm", fwd.total) if out is None else out  # the Relax VM's case
-            run_layer(fwd, self.pages[layer], qkv, o, sm_scale)
+            run_layer(fwd, self.pages[layer], qkv, o, sm_scale, window)
+            self._layers_run.add(layer)
             return o
         kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
         if out is not None:
@@ -566,7 +577,63 @@ class PagedAttentionKVCache:
                 raise ValueError("out is a read-only NumPy array; pass a writeable one (or out=None)")
         qkv_dev = tensors.to_device(qkv, kind, self.device)
         o_dev = self._output_buffer(out, kind, fwd.total)
-        run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale)
+        run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale, window)
+        self._layers_run.add(layer)
+        return self._deliver(o_dev, out, kind)
+
+    def attention_with_shared_kv(self, layer_id, q, k, v, out=None, sm_scale=None):
+        """Attention of ``q`` over the K/V of layer ``layer_id`` (cross-layer KV sharing, e.g. Gemma-style
+        models), appending nothing: ``layer_id``'s attention must already have run in this forward, so
+        its pages hold this forward's tokens too. Its per-layer window (``layer_windows``) applies.
+
+        Parameters
+        ----------
+        layer_id : int
+            The source layer, whose ``attention_with_fused_qkv`` ran in the open forward.
+        q : array
+            ``[total_new_tokens, H_qo, D]`` raw queries (rotated here as ``split_rope`` would).
+        k, v : array
+            ``[total_new_tokens, H_kv, D]``: the current tokens' K/V as TVM's builtin passes them;
+            checked for shape and dtype only (the source layer's pages already hold them).
+        out, sm_scale
+            As for :meth:`attention_with_fused_qkv`.
+        """
+        cfg, fwd = self.config, self._fwd
+        if fwd is None:
+            raise ForwardStateError("attention_with_shared_kv called outside begin_forward/end_forward")
+        layer = as_int(layer_id, "layer_id")
+        if not 0 <= layer < cfg.num_layers:
+            raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
+        if layer not in self._layers_run:
+            raise ForwardStateError(
+                f"attention_with_shared_kv reads layer {layer}'s pages, but that layer's attention has not run in "
+                "this forward; call attention_with_fused_qkv for it first"
+            )
+        sm_scale = self._sm_scale(sm_scale)
+        n = fwd.total
+        kind = self._check_array(q, "q", (n, cfg.num_qo_heads, cfg.head_dim))
+        for x, name in ((k, "k"), (v, "v")):
+            if tensors.array_kind(x) != kind:
+                raise TypeError(f"{name} is a {tensors.array_kind(x)} array but q is {kind}; pass the same kind")
+            self._check_array(x, name, (n, cfg.num_kv_heads, cfg.head_dim))
+        if out is not None:
+            if tensors.array_kind(out) != kind:
+                raise TypeError(f"out is a {tensors.array_kind(out)} array but q is {kind}; pass the same kind")
+            self._check_array(out, "out", fwd.o_shape)
+            if kind == "numpy" and not out.flags.writeable:
+                raise ValueError("out is a read-only NumPy array; pass a writeable one (or out=None)")
+        if "rope_q" not in self.kernels:
+            raise RuntimeError(
+                f"the kernel library {getattr(self.kernels, 'path', '')} has no rope_q (built before shared-KV "
+                "support); rebuild it (python -m tvmkv build ...)"
+            )
+        q_dev = tensors.to_device(q, kind, self.device)
+        o_dev = self._output_buffer(out, kind, n)
+        run_shared(fwd, self.kernels["rope_q"], self.pages[layer], q_dev, o_dev, sm_scale, self._windows[layer])
+        return self._deliver(o_dev, out, kind)
+
+    def _deliver(self, o_dev, out, kind: str):
+        """The output in the caller's kind: ``out`` written in place, or a new array."""
         if out is None:
             return tensors.from_device(o_dev, kind)
         if kind == "numpy":
@@ -576,6 +643,16 @@ class PagedAttentionKVCache:
 
             out.copy_(torch.from_dlpack(o_dev))
         return out
+
+    def _sm_scale(self, sm_scale) -> float:
+        if sm_scale is None:
+            return self._default_sm_scale
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating, np.integer)):
+            raise TypeError(f"sm_scale={sm_scale!r} must be a float (e.g. head_dim ** -0.5) or None")
+        sm_scale = float(sm_scale)
+        if not math.isfinite(sm_scale):
+            raise ValueError(f"sm_scale={sm_scale} must be finite")
+        return sm_scale
 
     def end_forward(self) -> None:
         """Close the open forward; sliding windows slide now.
@@ -901,6 +978,21 @@ def _check_memory(cfg: CacheConfig, device) -> None:
                 f"{what} needs {size / 2**30:.2f} GiB ({total / 2**30:.2f} GiB with the cache's other buffers) "
                 f"but {where} has {free / 2**30:.2f} GiB free; {fix}"
             )
+
+
+def _local_option(cfg: CacheConfig) -> dict:
+    """``load_kernels``'s option for the per-layer-window kernels (only when a layer has a window)."""
+    return {"local": True} if cfg.has_local_layers else {}
+
+
+def _windows(layer_windows, num_layers) -> tuple:
+    """``layer_windows`` as the config's tuple (() when no layer has a window of its own)."""
+    if layer_windows is None:
+        return ()
+    if isinstance(layer_windows, (str, bytes)) or not hasattr(layer_windows, "__iter__"):
+        raise TypeError(f"layer_windows={layer_windows!r} must be a list of {num_layers} window sizes")
+    ws = tuple(as_int(w, "layer_windows[i]") for w in layer_windows)
+    return ws if any(ws) else ()
 
 
 def _id_list(seq_ids, what: str) -> list:

@@ -45,6 +45,8 @@ class Forward:
     qkv_shape: tuple = ()  # [total, H_qo + 2 H_kv, D] expected of qkv
     o_shape: tuple = ()  # [total, H_qo, D] expected of out
     slot: int = 0  # device slot of the index buffer ring the views belong to
+    local: Any = None  # the attention kernel's per-layer-window variant (same arguments + layer_window)
+    shared: tuple = ()  # (kernel, local kernel, head, tail): paged attention over a given layer's pages
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,28 @@ class Launcher:
             o_shape=(total, cfg.num_qo_heads, cfg.head_dim),
             slot=slot,
         )
+        fwd.local = lib[kernel + "_local"] if cfg.has_local_layers and kernel != "paged_prefill_tree" else None
+        paged_tail = (
+            d["page_indptr"],
+            d["page_indices"],
+            d["last_page_len"],
+            d["kv_window"],
+            d["q_tree"],
+            d["kv_tree_indptr"],
+            d["kv_tree"],
+            d["kv_tree_start"],
+        )
+        shared: tuple
+        if kernel == "paged_decode":
+            shared = ("paged_decode", (s["q"], d["q_pos"]), paged_tail[:4])
+        else:  # the new tokens are in the source layer's pages: a prefill reads them there too
+            name = "paged_prefill_tree" if kernel == "paged_prefill_tree" else "paged_prefill_causal"
+            shared = (name, (s["q"], d["q_indptr"], d["q_pos"]), paged_tail)
+        local = lib[shared[0] + "_local"] if cfg.has_local_layers and shared[0] != "paged_prefill_tree" else None
+        fwd.shared = (lib[shared[0]], local, *shared[1:])
         if kernel == "paged_decode":
             fwd.attn_head = (s["q"], d["q_pos"])
-            fwd.attn_tail = (d["page_indptr"], d["page_indices"], d["last_page_len"], d["kv_window"])
+            fwd.attn_tail = paged_tail[:4]
             if decode_split.num_splits > 1:
                 fwd.decode_split = decode_split
                 fwd.kernels = (*fwd.kernels[:2], lib["paged_decode_split"])
@@ -168,26 +189,23 @@ class Launcher:
             fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])
         else:
             fwd.attn_head = (s["q"], d["q_indptr"], d["q_pos"])
-            fwd.attn_tail = (
-                d["page_indptr"],
-                d["page_indices"],
-                d["last_page_len"],
-                d["kv_window"],
-                d["q_tree"],
-                d["kv_tree_indptr"],
-                d["kv_tree"],
-                d["kv_tree_start"],
-            )
+            fwd.attn_tail = paged_tail
         return fwd
 
 
-def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float) -> None:
-    """Launch one layer's kernels with the arguments :meth:`Launcher.bind` prepared (O(1) Python)."""
+def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> None:
+    """Launch one layer's kernels with the arguments :meth:`Launcher.bind` prepared (O(1) Python).
+    ``window`` > 0: the layer attends within a sliding window of its own (``fwd.local``)."""
     split_rope, append, attention = fwd.kernels
     split_rope(qkv, *fwd.split)
     append(pages, *fwd.append)
     lse, rope_scale, rope_theta = fwd.attn_end
-    if fwd.merge is not None:  # split decode: a partial state per chunk, then their merge
+    if window:  # a local layer: the window's kernel variant, never split
+        if fwd.paged:
+            fwd.local(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta, window)
+        else:
+            fwd.local(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta, window)
+    elif fwd.merge is not None:  # split decode: a partial state per chunk, then their merge
         o_part, lse_part = fwd.parts
         attention(
             *fwd.attn_head,
@@ -205,3 +223,15 @@ def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float) -> None:
         attention(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
     else:
         attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
+
+
+def run_shared(fwd: Forward, rope_q, pages, q, o, sm_scale: float, window: int = 0) -> None:
+    """Attention of ``q`` over ``pages`` (another layer's, which already holds this forward's tokens),
+    appending nothing: ``rope_q`` prepares q as ``split_rope`` would, then the paged kernel runs."""
+    kernel, local, head, tail = fwd.shared
+    lse, rope_scale, rope_theta = fwd.attn_end
+    rope_q(q, fwd.split[0], fwd.scratch["q"], rope_scale, rope_theta)
+    if window:
+        local(*head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, window)
+    else:
+        kernel(*head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta)
