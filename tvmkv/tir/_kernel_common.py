@@ -1,6 +1,6 @@
 """Helpers every kernel family shares, so each family module holds only its own kernels.
 
-* :data:`FUNC_ATTRS`: the function attributes every kernel signature sets.
+* :func:`func_attrs`: the function attributes every kernel signature sets.
 * :func:`macro`: the TVMScript macro kernel bodies are written as. A signature is declared once per
   kernel role (e.g. ``append_func`` in :mod:`tvmkv.tir.append`, the attention signatures in
   :mod:`tvmkv.tir.attention`) and the llvm and cuda bodies are macros passed to it.
@@ -19,8 +19,9 @@ from tvm.script.parser._core import scan_macro, utils
 from tvm.tirx.script.parser.entry import TIRMacro
 
 from .decode_layout import WARP  # noqa: F401 (lanes per warp; defined in that TVM-free module)
+from .spec import KernelSpec
 
-FUNC_ATTRS = {"tir.noalias": True}  # T.func_attr of every kernel
+NOALIAS = "tirx.noalias"  # the key TVM 0.27 reads; the older "tir.noalias" is ignored silently
 LOG2E = math.log2(math.e)  # the kernels work in base 2: exp(x) = 2^(x log2(e))
 MAX_THREADS = 256  # threads per CUDA block of the data-movement kernels
 
@@ -61,6 +62,19 @@ def slots(*names: str):
     ``T.alloc_buffer((len(R),), ...)`` and writes ``rng[R.kv_len]``: one buffer in the generated
     code, a name in the source."""
     return namedtuple("Slots", names)(*range(len(names)))
+
+
+def func_attrs(spec: KernelSpec) -> dict:
+    """``T.func_attr`` of every kernel of ``spec``: whether its buffers are promised not to overlap.
+
+    cuda: yes (``{NOALIAS: True}``; TVM 0.27 generates the same CUDA source either way). llvm: no,
+    explicitly: with the promise LLVM compiles the tuned CPU attention schedule 1.1-1.5x slower
+    (bench/RESULTS.md, "CPU: the no-alias attribute"), and TVM 0.27 applies the attribute of one
+    function of a module to all of them, so the llvm data-movement kernels (no measurable gain from
+    it) go without too. A kernel with the promise must not be called with overlapping buffers one of
+    which it writes.
+    """
+    return {NOALIAS: not spec.is_cpu}
 
 
 def heads_per_block(num_heads: int, threads_x: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._kernel_common import FUNC_ATTRS, heads_per_block, macro
+from ._kernel_common import func_attrs, heads_per_block, macro
 from .spec import KernelSpec
 
 
@@ -15,10 +15,11 @@ def append_func(spec: KernelSpec, body):
     for every target. The parameters are those of :func:`make_append`; ``body`` reads them by name
     (size ``n``, the number of tokens)."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_slot: T.handle):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         num_pages = T.int32()
         n = T.int32()
         pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._kernel_common import FUNC_ATTRS
+from ._kernel_common import func_attrs
 from .spec import KernelSpec
 
 
@@ -26,6 +26,7 @@ def paged_prefill_func(spec: KernelSpec, body):
     one signature for every mask, target and schedule. The parameters are those of
     :func:`tvmkv.tir.prefill.make_paged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``)."""
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def paged_prefill(
@@ -47,7 +48,7 @@ def paged_prefill_func(spec: KernelSpec, body):
         rope_scale: T.float32,
         rope_theta: T.float32,
     ):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         n = T.int32()
         B = T.int32()
         num_pages = T.int32()
@@ -81,6 +82,7 @@ def ragged_prefill_func(spec: KernelSpec, body):
     :func:`tvmkv.tir.ragged.make_ragged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``,
     the number of sequences)."""
     H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def ragged_prefill(
@@ -96,7 +98,7 @@ def ragged_prefill_func(spec: KernelSpec, body):
         rope_scale: T.float32,
         rope_theta: T.float32,
     ):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         n = T.int32()
         B1 = T.int32()
         nt = T.int32()
@@ -124,6 +126,7 @@ def decode_func(spec: KernelSpec, body, *, split: bool):
     ``sm_scale``, ``rope_scale``, ``rope_theta`` (and ``kv_chunk``).
     """
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
     if split:
 
         @T.prim_func
@@ -142,7 +145,7 @@ def decode_func(spec: KernelSpec, body, *, split: bool):
             rope_theta: T.float32,
             kv_chunk: T.int32,
         ):
-            T.func_attr(FUNC_ATTRS)
+            T.func_attr(attrs)
             B = T.int32()
             NSPLIT = T.int32()
             num_pages = T.int32()
@@ -175,7 +178,7 @@ def decode_func(spec: KernelSpec, body, *, split: bool):
         rope_scale: T.float32,
         rope_theta: T.float32,
     ):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         B = T.int32()
         num_pages = T.int32()
         nnz = T.int32()

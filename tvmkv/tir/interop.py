@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._kernel_common import FUNC_ATTRS, heads_per_block, macro
+from ._kernel_common import func_attrs, heads_per_block, macro
 from .foreign_layouts import LAYOUTS, PAGED_LAYOUTS, foreign_index, foreign_shape  # noqa: F401 (re-exported)
 from .spec import KernelSpec
 
@@ -48,10 +48,11 @@ def page_copy_func(spec: KernelSpec, layout: str, body):
     macro without arguments, which reads the parameters of :func:`make_page_copy` by name (sizes
     ``m``, the entries, ``NB``, the foreign blocks, and ``L``, the layers); both directions share it."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def page_copy(var_pages: T.handle, var_ids: T.handle, var_foreign: T.handle, var_blocks: T.handle, layer: T.int32):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         num_pages = T.int32()
         m = T.int32()
         NB = T.int32()
@@ -70,10 +71,11 @@ def token_copy_func(spec: KernelSpec, body):
     which reads the parameters of :func:`make_token_copy` by name (sizes ``m``, the pages, ``n``, the
     tokens, and ``L``, the layers); both directions share it."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def token_copy(var_pages: T.handle, var_ids: T.handle, var_seq: T.handle, layer: T.int32):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         num_pages = T.int32()
         m = T.int32()
         n = T.int32()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._kernel_common import FUNC_ATTRS, heads_per_block, macro, slots
+from ._kernel_common import func_attrs, heads_per_block, macro, slots
 from .spec import KernelSpec
 
 # Named slots of the per-thread float32 state (see _kernel_common.slots)
@@ -27,10 +27,11 @@ def merge_state_func(spec: KernelSpec, body):
     """The ``merge_state`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads
     the parameters of :func:`make_merge_state` by name (size ``n``, the rows)."""
     H, D, dtype = spec.num_qo_heads, spec.head_dim, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def merge_state(var_o_a: T.handle, var_lse_a: T.handle, var_o_b: T.handle, var_lse_b: T.handle):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         n = T.int32()
         o_a = T.match_buffer(var_o_a, (n, H, D), dtype)
         lse_a = T.match_buffer(var_lse_a, (n, H), "float32")
@@ -45,10 +46,11 @@ def merge_splits_func(spec: KernelSpec, body):
     """The ``merge_splits`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
     reads the parameters of :func:`make_merge_splits` by name (sizes ``S``, the chunks, and ``n``)."""
     H, D, dtype = spec.num_qo_heads, spec.head_dim, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def merge_splits(var_o_part: T.handle, var_lse_part: T.handle, var_o: T.handle, var_lse: T.handle):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         S = T.int32()
         n = T.int32()
         o_part = T.match_buffer(var_o_part, (S, n, H, D), "float32")

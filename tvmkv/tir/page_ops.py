@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._kernel_common import FUNC_ATTRS, heads_per_block, macro
+from ._kernel_common import func_attrs, heads_per_block, macro
 from .spec import KernelSpec
 
 
@@ -21,10 +21,11 @@ def copy_page_func(spec: KernelSpec, body):
     """The ``copy_page`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads
     the parameters of :func:`make_copy_page` by name."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def copy_page(var_pages: T.handle, src_page: T.int32, dst_page: T.int32, num_slots: T.int32):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         num_pages = T.int32()
         pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
         body()
@@ -74,10 +75,11 @@ def compact_copy_func(spec: KernelSpec, body):
     """The ``compact_copy`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
     reads the parameters of :func:`make_compact_copy` by name (sizes ``S1``, segments + 1, and ``m``)."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def compact_copy(var_pages: T.handle, var_indptr: T.handle, var_src: T.handle, var_dst: T.handle):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         num_pages = T.int32()
         S1 = T.int32()
         m = T.int32()
@@ -145,10 +147,11 @@ def gather_func(spec: KernelSpec, body):
     """The ``gather`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads the
     parameters of :func:`make_gather` by name (size ``m``, the number of slots)."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def gather(var_pages: T.handle, var_slots: T.handle, var_k: T.handle, var_v: T.handle):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         num_pages = T.int32()
         m = T.int32()
         pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
@@ -249,10 +252,11 @@ def page_transfer_func(spec: KernelSpec, body):
     arguments, which reads the parameters of :func:`make_gather_pages` by name (sizes ``m``, the
     number of pages, and ``L``, the layers of the staging buffer); both kernels share this signature."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def page_transfer(var_pages: T.handle, var_ids: T.handle, var_staging: T.handle, layer: T.int32):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         num_pages = T.int32()
         m = T.int32()
         L = T.int32()

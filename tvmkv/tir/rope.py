@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._kernel_common import FUNC_ATTRS, heads_per_block, macro, rope_inv_freq
+from ._kernel_common import func_attrs, heads_per_block, macro, rope_inv_freq
 from .spec import KernelSpec
 
 
@@ -37,6 +37,7 @@ def split_rope_func(spec: KernelSpec, body):
     the parameters of :func:`make_split_rope` by name (size ``n``, the tokens)."""
     H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     H = spec.qkv_heads
+    attrs = func_attrs(spec)
 
     @T.prim_func
     def split_rope(
@@ -48,7 +49,7 @@ def split_rope_func(spec: KernelSpec, body):
         rope_scale: T.float32,
         rope_theta: T.float32,
     ):
-        T.func_attr(FUNC_ATTRS)
+        T.func_attr(attrs)
         n = T.int32()
         qkv = T.match_buffer(var_qkv, (n, H, D), dtype)
         pos = T.match_buffer(var_pos, (n,), "int32")
