@@ -205,7 +205,8 @@ class PagedAttentionKVCache:
         self._default_sm_scale = cfg.head_dim**-0.5
         self._windows = cfg.layer_windows or (0,) * cfg.num_layers
         self._fwd: Forward | None = None
-        self._layers_run: set = set()  # layers whose attention ran in the open forward
+        self._step = 0  # forwards begun so far
+        self._ran = [-1] * cfg.num_layers  # per layer: the last forward (self._step) its attention ran in
         self._repeat: RepeatDecode | None = None
         self._repeated = False  # whether the open forward was planned by RepeatDecode
 
@@ -414,10 +415,27 @@ class PagedAttentionKVCache:
         """
         if self._fwd is not None:
             raise ForwardStateError("begin_forward called while a forward is open; call end_forward first")
-        repeat = self._repeat
-        if repeat is not None and token_tree_parent_ptr is None:
-            if self._repeat_decode(repeat, seq_ids, append_lengths):
-                return
+        R, ib = self._repeat, self._index
+        if R is not None and token_tree_parent_ptr is None and R.advance(seq_ids, append_lengths):
+            # the decode fast path: the last decode step's plan, advanced in place (plan.RepeatDecode),
+            # uploaded, and the forward bound for this slot reused (kept flat: this runs every step)
+            L = self._launcher
+            split = NO_SPLIT if L.granule is None else L.decode_split(len(R.seqs), R.max_keys)
+            used = R.pi + R.nnz
+            slot = ib.next_slot(used)
+            ib.upload(slot, used)
+            if ib.generation != R.generation:  # the view cache was dropped: rebind (views stay valid)
+                R.forwards.clear()
+                R.generation = ib.generation
+            fwd = R.forwards.get(slot)
+            if fwd is None or fwd.decode_split != split:  # first use of the slot, or the split changed
+                dev = device_views(ib, slot, R.layout)
+                fwd = L.bind(R.seq_ids, R.ones, len(R.seqs), "paged_decode", [], dev, slot, split)
+                R.forwards[slot] = fwd
+            self._fwd = fwd
+            self._step += 1
+            self._repeated = True
+            return
         self._repeat = None
         self._repeated = False
         cfg, table, pool = self.config, self._table, self.pool
@@ -426,7 +444,11 @@ class PagedAttentionKVCache:
         seq_ids = _id_list(seq_ids, "begin_forward")
         if set(map(type, seq_ids)) - {int}:
             seq_ids = [check_id(s, "seq_ids[i]") for s in seq_ids]
-        seqs = list(map(table.get, seq_ids))
+        resident = table.resident
+        try:  # ints only by now: plain lookups, and the table's own errors for an unknown or swapped id
+            seqs = [resident[s] for s in seq_ids]
+        except KeyError:
+            seqs = list(map(table.get, seq_ids))
         lengths = _int_list(append_lengths, "append_lengths")
         if set(map(type, lengths)) - {int}:
             lengths = [as_int(n, "append_lengths[i]") for n in lengths]
@@ -497,7 +519,7 @@ class PagedAttentionKVCache:
                 seq.tree_last = len(p)
         self._index.upload(plan.slot, plan.used)
         decode = plan.kernel == "paged_decode"
-        self._layers_run.clear()
+        self._step += 1
         self._fwd = self._launcher.bind(
             plan.seq_ids,
             plan.lengths,
@@ -509,31 +531,7 @@ class PagedAttentionKVCache:
             self._launcher.decode_split(B, plan.max_keys) if decode else NO_SPLIT,
         )
         if decode and not windowed.size:
-            versions = (pool.version, table.version)
-            self._repeat = RepeatDecode.after(plan, seqs, want, self._index, P, versions, self._fwd)
-
-    def _repeat_decode(self, R: RepeatDecode, seq_ids, append_lengths) -> bool:
-        """The decode fast path: a step that repeats the last decode step's batch advances its plan in
-        place (:meth:`RepeatDecode.advance`), uploads and reuses the forward bound for the slot."""
-        ib = self._index
-        if not R.advance(seq_ids, append_lengths, self.pool, self._table, ib):
-            return False
-        split = self._launcher.decode_split(len(R.seqs), R.max_keys)
-        used = R.used
-        slot = ib.next_slot(used)
-        ib.upload(slot, used)
-        if ib.generation != R.generation:  # the views cached forwards hold were dropped
-            R.forwards.clear()
-            R.generation = ib.generation
-        fwd = R.forwards.get(slot)
-        if fwd is None or fwd.decode_split != split:  # first use of the slot, or the split changed
-            dev = device_views(ib, slot, R.layout)
-            fwd = self._launcher.bind(R.seq_ids, R.ones, len(R.seqs), "paged_decode", [], dev, slot, split)
-            R.forwards[slot] = fwd
-        self._fwd = fwd
-        self._layers_run.clear()
-        self._repeated = True
-        return True
+            self._repeat = RepeatDecode.after(plan, seqs, want, self._index, pool, table, self._fwd)
 
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Append this layer's new K/V and compute attention for the tokens of the open forward.
@@ -566,7 +564,7 @@ class PagedAttentionKVCache:
         if self._tvm_ok(qkv, fwd.qkv_shape) and (out is None or self._tvm_ok(out, fwd.o_shape)):
             o = self._output_buffer(None, "tvm", fwd.total) if out is None else out  # the Relax VM's case
             run_layer(fwd, self.pages[layer], qkv, o, sm_scale, window)
-            self._layers_run.add(layer)
+            self._ran[layer] = self._step
             return o
         kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
         if out is not None:
@@ -578,7 +576,7 @@ class PagedAttentionKVCache:
         qkv_dev = tensors.to_device(qkv, kind, self.device)
         o_dev = self._output_buffer(out, kind, fwd.total)
         run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale, window)
-        self._layers_run.add(layer)
+        self._ran[layer] = self._step
         return self._deliver(o_dev, out, kind)
 
     def attention_with_shared_kv(self, layer_id, q, k, v, out=None, sm_scale=None):
@@ -604,7 +602,7 @@ class PagedAttentionKVCache:
         layer = as_int(layer_id, "layer_id")
         if not 0 <= layer < cfg.num_layers:
             raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
-        if layer not in self._layers_run:
+        if self._ran[layer] != self._step:
             raise ForwardStateError(
                 f"attention_with_shared_kv reads layer {layer}'s pages, but that layer's attention has not run in "
                 "this forward; call attention_with_fused_qkv for it first"
@@ -629,7 +627,8 @@ class PagedAttentionKVCache:
             )
         q_dev = tensors.to_device(q, kind, self.device)
         o_dev = self._output_buffer(out, kind, n)
-        run_shared(fwd, self.kernels["rope_q"], self.pages[layer], q_dev, o_dev, sm_scale, self._windows[layer])
+        shared = self._launcher.shared(fwd)
+        run_shared(fwd, shared, self.kernels["rope_q"], self.pages[layer], q_dev, o_dev, sm_scale, self._windows[layer])
         return self._deliver(o_dev, out, kind)
 
     def _deliver(self, o_dev, out, kind: str):
@@ -835,7 +834,7 @@ class PagedAttentionKVCache:
         problems += self.pool.check(seq.pages for seq in self._table.resident.values())
         problems += self._swap.check()
         if self._repeat is not None:
-            problems += self._repeat.check(self.pool, self._table)
+            problems += self._repeat.check()
         if problems:
             raise IntegrityError("; ".join(problems))
 

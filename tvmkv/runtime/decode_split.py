@@ -51,7 +51,7 @@ def plan_split(
     max_keys : int
         Keys the longest sequence visits (an upper bound is fine: its kv length).
     blocks_per_seq, tile_keys : int
-        From :func:`tvmkv.tir.decode_plan.split_granule`.
+        From :func:`tvmkv.tir.split_granule`.
     num_sms : int
         Streaming multiprocessors of the device (0: no split, e.g. on the CPU).
     max_splits : int, optional

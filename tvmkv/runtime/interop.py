@@ -10,7 +10,7 @@ Three kinds of operations over a :class:`~tvmkv.PagedAttentionKVCache` (layouts:
   own sequences.
 - **Export / import of a whole sequence** (every layer) to and from KsanaLLM's per-block layout,
   FlashInfer's paged NHD and HND layouts and a contiguous per-sequence layout: one kernel launch per
-  layer (``tvmkv.tir.layout``). Imports allocate pages through the cache (ref counts, free list).
+  layer (``tvmkv.tir.interop``). Imports allocate pages through the cache (ref counts, free list).
 - **Zero-copy views** where the layouts agree: :func:`paged_view` hands out a layer's page pool as
   FlashInfer's HND paged KV cache (our layout per layer *is* HND), and :func:`ksana_atb_views` /
   :func:`atb_block_ids` give Ascend ATB's K and V caches over one KsanaLLM block pool (seed 000).
@@ -32,8 +32,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import OutOfPagesError
-from ..tir.layout_shapes import LAYOUTS
-from ..tir.layout_shapes import foreign_shape as _foreign_shape
+from ..tir import LAYOUTS
+from ..tir import foreign_shape as _foreign_shape
 from . import tensors
 from .sequences import as_int, check_id
 

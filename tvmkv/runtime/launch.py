@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import CacheConfig
-from ..tir.decode_plan import split_granule
+from ..tir import split_granule
 from .decode_split import NO_SPLIT, DecodeSplit, plan_split
 from .index_buffer import IndexBuffers
 from .plan import PackedLayout
@@ -136,6 +136,21 @@ class Launcher:
             lse_buf._create_view((split.num_splits, batch, cfg.num_qo_heads)),
         )
 
+    def shared(self, fwd: Forward) -> tuple:
+        """``(kernel, local kernel, head, tail)`` of paged attention over a layer's pages for ``fwd``'s
+        queries (``attention_with_shared_kv``; bound on first use, kept on the forward)."""
+        if not fwd.shared:
+            lib, d, s = self.kernels, fwd.dev, fwd.scratch
+            head: tuple
+            if fwd.kernel == "paged_decode":
+                name, head, tail = "paged_decode", (s["q"], d["q_pos"]), _paged_tail(d)[:4]
+            else:  # the new tokens are in the source layer's pages: a prefill reads them there too
+                name = "paged_prefill_tree" if fwd.kernel == "paged_prefill_tree" else "paged_prefill_causal"
+                head, tail = (s["q"], d["q_indptr"], d["q_pos"]), _paged_tail(d)
+            local = lib[name + "_local"] if self.config.has_local_layers and name != "paged_prefill_tree" else None
+            fwd.shared = (lib[name], local, head, tail)
+        return fwd.shared
+
     def bind(self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT) -> Forward:
         """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
         cfg, d, lib = self.config, dev, self.kernels
@@ -157,25 +172,9 @@ class Launcher:
             o_shape=(total, cfg.num_qo_heads, cfg.head_dim),
             slot=slot,
         )
-        fwd.local = lib[kernel + "_local"] if cfg.has_local_layers and kernel != "paged_prefill_tree" else None
-        paged_tail = (
-            d["page_indptr"],
-            d["page_indices"],
-            d["last_page_len"],
-            d["kv_window"],
-            d["q_tree"],
-            d["kv_tree_indptr"],
-            d["kv_tree"],
-            d["kv_tree_start"],
-        )
-        shared: tuple
-        if kernel == "paged_decode":
-            shared = ("paged_decode", (s["q"], d["q_pos"]), paged_tail[:4])
-        else:  # the new tokens are in the source layer's pages: a prefill reads them there too
-            name = "paged_prefill_tree" if kernel == "paged_prefill_tree" else "paged_prefill_causal"
-            shared = (name, (s["q"], d["q_indptr"], d["q_pos"]), paged_tail)
-        local = lib[shared[0] + "_local"] if cfg.has_local_layers and shared[0] != "paged_prefill_tree" else None
-        fwd.shared = (lib[shared[0]], local, *shared[1:])
+        if cfg.has_local_layers and kernel != "paged_prefill_tree":
+            fwd.local = lib[kernel + "_local"]
+        paged_tail = _paged_tail(d)
         if kernel == "paged_decode":
             fwd.attn_head = (s["q"], d["q_pos"])
             fwd.attn_tail = paged_tail[:4]
@@ -225,10 +224,25 @@ def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> 
         attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
 
 
-def run_shared(fwd: Forward, rope_q, pages, q, o, sm_scale: float, window: int = 0) -> None:
+def _paged_tail(d: dict) -> tuple:
+    """The page-table arguments of the paged attention kernels, after the pages (docs/layout.md)."""
+    return (
+        d["page_indptr"],
+        d["page_indices"],
+        d["last_page_len"],
+        d["kv_window"],
+        d["q_tree"],
+        d["kv_tree_indptr"],
+        d["kv_tree"],
+        d["kv_tree_start"],
+    )
+
+
+def run_shared(fwd: Forward, shared: tuple, rope_q, pages, q, o, sm_scale: float, window: int = 0) -> None:
     """Attention of ``q`` over ``pages`` (another layer's, which already holds this forward's tokens),
-    appending nothing: ``rope_q`` prepares q as ``split_rope`` would, then the paged kernel runs."""
-    kernel, local, head, tail = fwd.shared
+    appending nothing: ``rope_q`` prepares q as ``split_rope`` would, then the paged kernel ``shared``
+    (:meth:`Launcher.shared`) runs."""
+    kernel, local, head, tail = shared
     lse, rope_scale, rope_theta = fwd.attn_end
     rope_q(q, fwd.split[0], fwd.scratch["q"], rope_scale, rope_theta)
     if window:

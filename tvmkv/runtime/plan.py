@@ -238,20 +238,24 @@ class RepeatDecode:
     page_size: int
     generation: int  # IndexBuffers.generation the cached forwards' views belong to
     forwards: dict  # device slot -> bound launch.Forward
+    pool: PagePool
+    table: SequenceTable
+    ib: IndexBuffers
 
     @classmethod
     def after(
-        cls, plan: StepPlan, seqs: list, npages, ib: IndexBuffers, page_size: int, versions: tuple, forward
+        cls, plan: StepPlan, seqs: list, npages, ib: IndexBuffers, pool: PagePool, table: SequenceTable, forward
     ) -> RepeatDecode:
         """Remember the decode step ``plan`` (just bound as ``forward``)."""
+        page_size = table.page_size
         host, layout = ib.host, plan.layout
         lpl = layout.array(host, "last_page_len")
         return cls(
             seq_ids=plan.seq_ids,
             seqs=seqs,
             ones=[1] * len(seqs),
-            pool_version=versions[0],
-            table_version=versions[1],
+            pool_version=pool.version,
+            table_version=table.version,
             npages=npages.astype(np.int64),
             host=host,
             slots=layout.array(host, "slots"),
@@ -266,15 +270,19 @@ class RepeatDecode:
             page_size=page_size,
             generation=ib.generation,
             forwards={plan.slot: forward},
+            pool=pool,
+            table=table,
+            ib=ib,
         )
 
-    def advance(self, seq_ids, append_lengths, pool: PagePool, table: SequenceTable, ib: IndexBuffers) -> bool:
+    def advance(self, seq_ids, append_lengths) -> bool:
         """Advance the kept plan by one decode step when ``(seq_ids, append_lengths)`` repeats it.
 
         Returns False, having changed nothing, when the step is not such a step or needs what the
         general path handles (a new page with too few free pages: the general path raises
         OutOfPagesError; a bigger index buffer). The batch was validated at the step this one repeats.
         """
+        pool, table, ib = self.pool, self.table, self.ib
         if pool.version != self.pool_version or table.version != self.table_version or self.host is not ib.host:
             return False
         if list(seq_ids) != self.seq_ids or list(append_lengths) != self.ones:
@@ -311,9 +319,10 @@ class RepeatDecode:
     def used(self) -> int:
         return self.pi + max(self.nnz, 1)
 
-    def check(self, pool: PagePool, table: SequenceTable) -> list:
+    def check(self) -> list:
         """Problems of the kept plan against the page tables, while it is still valid (it will be
         reused by the next repeated decode step)."""
+        pool, table = self.pool, self.table
         if (pool.version, table.version) != (self.pool_version, self.table_version):
             return []
         problems = []
