@@ -21,7 +21,7 @@ from .plan import PackedLayout
 _MAX_SCRATCH_VIEWS = 256  # cached scratch views (one set per distinct token count) before clearing
 
 
-@dataclass
+@dataclass(slots=True)
 class Forward:
     """One step's bound kernel calls (``run_layer``) and the device views they read."""
 

@@ -212,7 +212,7 @@ def dfs_intervals(parents: list) -> tuple:
     return enter, exit_
 
 
-@dataclass
+@dataclass(slots=True)
 class RepeatDecode:
     """The last decode step's plan, kept so that a decode step of the same batch (same ids in the same
     order, one token each, nothing changed in between: the pool's and the table's versions) advances it

@@ -38,7 +38,7 @@ def check_id(seq_id, name: str = "seq_id") -> int:
     return seq_id if type(seq_id) is int else as_int(seq_id, name)
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     """One sequence: pages, slots used and window / token-tree state.
 
