@@ -1,18 +1,24 @@
 """Long randomized soak of ``PagedAttentionKVCache`` against the NumPy model (tvmkv.testing.stateful).
 
-Runs ``--ops`` random operations (valid ones and deliberate misuse, on a cache with few pages) with
-tiny shapes and one layer (by default the cache of tests/test_stateful.py,
-``tvmkv.testing.configs.STATEFUL_CACHE``). Every operation's outcome (success, or which exception)
-is predicted and checked, with ``check_integrity()``, lengths and free pages checked after every
-operation; attention outputs are checked on every forward; stored K/V are compared with the model
-every ``--kv-every`` operations and at the end of each episode. Every ``--reset-every`` operations
-all sequences are removed and the free list must be whole again (a leak check), then a fresh episode
-starts with the next seed.
+Runs ``--ops`` random operations (valid ones and deliberate misuse, on caches with few pages) with
+tiny shapes, in episodes of ``--reset-every`` operations that take the configurations of
+tests/test_stateful.py (``tvmkv.testing.configs.STATEFUL_CONFIGS``, or those ``--configs`` names) in
+turn, each with its own cache, operation families (import/export into reused ids, swap, prefix
+reuse, varied batch shapes past 512 cached index views) and id pool; episode ``i`` uses seed
+``--seed + i``. Every operation's outcome (success, or which exception) is predicted and checked, with
+``check_integrity()``, page sharing, lengths and free pages checked after every operation; attention
+outputs on every forward; exported K/V on every export; stored K/V every ``--kv-every`` operations,
+after every import, prefix hit and swap-in, and at the end of each episode. At the end of an episode
+all sequences are removed (and the prefix tree dropped) and the free list must be whole again (a
+leak check).
 
     .venv/bin/python bench/soak.py --ops 100000 --seed 0 --target llvm
 
-Prints one progress line per episode batch and a final summary (operations run, mismatches,
-leaked pages, wall time, rate); ``--json PATH`` also writes the summary as JSON.
+Prints one progress line per episode and a final summary (operations run, mismatches, leaked pages,
+wall time, rate, per configuration: operations and the most index views one slot cached); ``--json
+PATH`` also writes the summary as JSON. On cuda every configuration's kernel set (and its "interop"
+family) must be built; ``--configs p4-normal-window,p4-interop-swap,p4-prefix,p4-views-all`` keeps
+to the kernel set of ``STATEFUL_CACHE``.
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=100_000, help="operations to run (default 100000)")
     ap.add_argument("--seed", type=int, default=0, help="first episode seed (episode i uses seed + i)")
     ap.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
+    ap.add_argument(
+        "--configs", default="all", help="comma-separated STATEFUL_CONFIGS names, taken in turn (default: all)"
+    )
     cache_args = ap.add_argument_group(
-        "cache", "left out: as in the stateful tests (tvmkv.testing.configs.STATEFUL_CACHE)"
+        "cache", "left out: as in the stateful tests (each configuration's tvmkv.testing.configs entry)"
     )
     cache_args.add_argument("--page-size", type=int)
     cache_args.add_argument("--num-pages", type=int, help="pages in the pool (few, so it runs out)")
@@ -56,43 +65,66 @@ def main(argv=None) -> int:
     bootstrap()  # $TVMKV_PAYLOAD: the GPU machine's runtime-only TVM, before tvm is imported
 
     from tvmkv.testing import make_cache
-    from tvmkv.testing.configs import STATEFUL_CACHE
+    from tvmkv.testing.configs import STATEFUL_CONFIGS
     from tvmkv.testing.stateful import Mismatch, run_random, shrink
 
+    by_name = {c.name: c for c in STATEFUL_CONFIGS}
+    names = list(by_name) if args.configs == "all" else args.configs.split(",")
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        ap.error(f"unknown --configs {unknown}; choose from {list(by_name)}")
     given = dict(page_size=args.page_size, num_pages=args.num_pages, rope_mode=args.rope_mode, dtype=args.dtype)
-    options = {**STATEFUL_CACHE, **{k: v for k, v in given.items() if v is not None}}
+    given = {k: v for k, v in given.items() if v is not None}
     t_build = time.time()
-    cache = make_cache(args.target, **options, decode_splits=args.decode_splits)
+    caches = {
+        n: make_cache(args.target, **{**by_name[n].cache, **given}, decode_splits=args.decode_splits) for n in names
+    }
     build_s = time.time() - t_build
     ops_run = rejected = leaked = episodes = 0
     mismatches, stats = [], {}
+    per_config = {n: {"operations": 0, "episodes": 0, "max_views_per_slot": 0} for n in names}
     t0 = time.time()
     seed = args.seed
     while ops_run < args.ops and len(mismatches) < args.max_mismatches:
         if args.time_limit and time.time() - t0 > args.time_limit:
             break
+        name = names[episodes % len(names)]
+        config, cache = by_name[name], caches[name]
         n = min(args.reset_every, args.ops - ops_run)
         try:
-            _, runner = run_random(cache, seed, n, kv_every=args.kv_every, misuse=args.misuse)
+            _, runner = run_random(
+                cache,
+                seed,
+                n,
+                kv_every=args.kv_every,
+                misuse=args.misuse,
+                extras=config.extras,
+                id_pool=config.id_pool,
+            )
         except Mismatch as err:
             runner, step = err.runner, err.runner.steps - 1
             leaked += err.leaked
-            entry = {"seed": seed, "step": step, "error": str(err)[:2000]}
+            entry = {"config": name, "seed": seed, "step": step, "error": str(err)[:2000]}
             if args.shrink:
                 entry["shrunk"] = shrink(cache, err.ops, seed)
             mismatches.append(entry)
-            print(f"MISMATCH seed {seed} step {step}: {str(err)[:500]}", flush=True)
+            print(f"MISMATCH {name} seed {seed} step {step}: {str(err)[:500]}", flush=True)
         ops_run += runner.steps
         rejected += runner.rejected
         for k, v in runner.stats.items():
             stats[k] = stats.get(k, 0) + v
+        mine = per_config[name]
+        mine["operations"] += runner.steps
+        mine["episodes"] += 1
+        mine["max_views_per_slot"] = max(mine["max_views_per_slot"], runner.max_views())
         episodes += 1
         seed += 1
         elapsed = time.time() - t0
         print(
             f"{ops_run:>8} ops  {elapsed:8.1f}s  {ops_run / elapsed:7.0f} ops/s  "
             f"mismatches {len(mismatches)}  "
-            f"leaked pages {leaked}",
+            f"leaked pages {leaked}  ({name} seed {seed - 1}: {runner.steps} ops, "
+            f"max views/slot {runner.max_views()})",
             flush=True,
         )
     wall = time.time() - t0
@@ -107,10 +139,10 @@ def main(argv=None) -> int:
         "build_s": round(build_s, 1),
         "target": args.target,
         "seed": args.seed,
-        "dtype": cache.config.dtype,
-        "page_size": cache.config.page_size,
-        "num_pages": cache.config.total_pages,
-        "rope_mode": cache.config.rope_mode,
+        "configs": {
+            n: {**per_config[n], "cache": {**by_name[n].cache, **given}, "extras": list(by_name[n].extras)}
+            for n in names
+        },
         "decode_splits": args.decode_splits,
         "kv_every": args.kv_every,
         "reset_every": args.reset_every,
@@ -122,6 +154,9 @@ def main(argv=None) -> int:
         f"({summary['ops_per_s']} ops/s, {episodes} episodes, target {args.target}); "
         f"mismatches: {len(mismatches)}; leaked pages: {leaked}"
     )
+    for n in names:
+        c = per_config[n]
+        print(f"  {n}: {c['operations']} ops in {c['episodes']} episodes, max views/slot {c['max_views_per_slot']}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     return 1 if mismatches or leaked else 0

@@ -68,12 +68,15 @@ STATEFUL_CACHE = MappingProxyType(
 
 
 class StatefulConfig(NamedTuple):
-    """One randomized stateful run: the cache, how many operations, the seed of the draw."""
+    """One randomized stateful run: the cache, how many operations, the seed of the draw, the operation
+    families beyond the base mix (``tvmkv.testing.stateful.EXTRAS``) and the pool of sequence ids."""
 
     name: str
     cache: Mapping  # make_cache keywords
     num_ops: int
     seed: int
+    extras: tuple = ()
+    id_pool: int = 8
 
 
 def _stateful(**changes) -> Mapping:
@@ -111,6 +114,19 @@ STATEFUL_CONFIGS = [
         600,
         13,
     ),
+    # the operations that found issue 14's memory-safety bugs, on STATEFUL_CACHE's kernel set: import /
+    # export (into reused ids), swap, prefix reuse; "views": batches up to 16 and chunks up to 128 with
+    # runs of repeated decode steps, so an index-buffer slot caches more than 512 views in a long run
+    StatefulConfig("p4-interop-swap", _stateful(num_pages=20), 600, 14, ("interop", "swap")),
+    StatefulConfig("p4-prefix", _stateful(num_pages=24), 600, 15, ("prefix", "interop", "swap")),
+    StatefulConfig(
+        "p4-views-all",
+        _stateful(num_pages=160, max_batch_size=16, prefill_chunk_size=128),
+        500,
+        16,
+        ("views", "interop", "swap", "prefix"),
+        24,
+    ),
 ]
 
 
@@ -119,7 +135,9 @@ def kernel_configs() -> list:
 
     The scenario replays on every :data:`REPLAY_CONFIGS` entry (with and without sliding-window
     kernels: the "sliding" scenario needs them), ``python -m tvmkv replay`` on the default shape in
-    every RoPE mode, and ``bench/soak.py`` on :data:`STATEFUL_CACHE`.
+    every RoPE mode, and ``bench/soak.py`` on :data:`STATEFUL_CACHE` (``--configs`` naming the
+    :data:`STATEFUL_CONFIGS` entries of its kernel set; their import/export operations also need that
+    set's "interop" family, which this list does not name yet).
     """
     from .caches import cache_kwargs
 
