@@ -67,8 +67,8 @@ def _rand(rng, shape, dtype):
     return rng.standard_normal(shape).astype(np.float32).astype(_np_dtype(dtype))
 
 
-def _kernels(spec, *, rope=False, sliding=False):
-    return load_kernels(spec, rope_mode="inline" if rope else "none", sliding=sliding)
+def _kernels(spec, *, rope=False, sliding=False, local=False):
+    return load_kernels(spec, rope_mode="inline" if rope else "none", sliding=sliding, local=local)
 
 
 def _check(o_dev, lse_dev, o_ref, lse_ref, dtype, rope=False):
@@ -129,10 +129,11 @@ def _random_forest(rng, n):
 
 
 def _run_paged_prefill(
-    target, spec, lib, mask, hist, new, *, rng, sliding=False, rope=False, tree=False, pos_shift=None
+    target, spec, lib, mask, hist, new, *, rng, sliding=False, rope=False, tree=False, pos_shift=None, layer_window=None
 ):
     """Build a batch (history ``hist[b]`` + ``new[b]`` tokens), run both sides, compare.
-    ``pos_shift[b]`` is added to the q_pos of sequence b (a negative shift empties causal rows)."""
+    ``pos_shift[b]`` is added to the q_pos of sequence b (a negative shift empties causal rows).
+    ``layer_window`` (an int): the ``_local`` kernel with that window."""
     B = len(hist)
     kv_lens = [h + m for h, m in zip(hist, new, strict=True)]
     pg = Paged(rng, spec, kv_lens)
@@ -184,11 +185,14 @@ def _run_paged_prefill(
         mask=mask,
         sliding=sliding,
         inline_rope=rope,
+        layer_window=layer_window or 0,
     )
     o = to_dev(np.zeros_like(q), target)
     lse = to_dev(np.zeros((n, spec.num_qo_heads), np.float32), target)
     args = [q, q_indptr, q_pos, pg.pages, *pg.tables(), q_tree, kv_tree_indptr, kv_tree, kv_tree_start]
-    lib[f"paged_prefill_{mask}"](*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA)
+    local = () if layer_window is None else (layer_window,)
+    kernel = lib[f"paged_prefill_{mask}" + ("_local" if local else "")]
+    kernel(*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, *local)
     _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
     return lse_ref
 
@@ -278,7 +282,7 @@ def test_paged_decode_split(target, cfg, rng):
     assert np.isneginf(lse.numpy()[0]).all() and (o.numpy()[0].astype(np.float32) == 0).all()
 
 
-def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False):
+def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=None):
     n = sum(new)
     q = _rand(rng, (n, spec.num_qo_heads, spec.head_dim), spec.dtype)
     k = _rand(rng, (n, spec.num_kv_heads, spec.head_dim), spec.dtype)
@@ -295,12 +299,25 @@ def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False):
             q_pos[lo:hi] = hist[b] + depth
     sm_scale = 1.0 / math.sqrt(spec.head_dim)
     o_ref, lse_ref = ref.ragged_prefill(
-        q, k, v, q_indptr, q_pos, q_tree, sm_scale, ROPE_SCALE, ROPE_THETA, mask=mask, inline_rope=rope
+        q,
+        k,
+        v,
+        q_indptr,
+        q_pos,
+        q_tree,
+        sm_scale,
+        ROPE_SCALE,
+        ROPE_THETA,
+        mask=mask,
+        inline_rope=rope,
+        layer_window=layer_window or 0,
     )
     o = to_dev(np.zeros_like(q), target)
     lse = to_dev(np.zeros((n, spec.num_qo_heads), np.float32), target)
     args = [q, k, v, q_indptr, q_pos, q_tree]
-    lib[f"ragged_prefill_{mask}"](*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA)
+    local = () if layer_window is None else (layer_window,)
+    kernel = lib[f"ragged_prefill_{mask}" + ("_local" if local else "")]
+    kernel(*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, *local)
     _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
 
 
@@ -429,6 +446,111 @@ def test_inline_rope(target, cfg, rng):
     _check(o, lse, o_ref, lse_ref, spec.dtype, rope=True)
 
 
+# ---------------------------------------------------------------- per-layer sliding window (*_local)
+
+LOCAL_CFGS = [  # dtype, D, P, group, per-sequence sliding window, inline rope
+    ("float32", 64, 16, 4, False, False),
+    ("float16", 128, 1, 2, True, False),
+    ("float32", 64, 16, 1, True, True),
+]
+# 1 and 3: a few keys (3 straddles page and tile boundaries); 42: into the sink of the decode case
+# below; 10_000: past every sequence (= no window); 0: no window (the documented W <= 0)
+LOCAL_WINDOWS = (1, 3, 42, 10_000, 0)
+
+
+def _run_decode_local(target, spec, lib, *, rng, sliding, rope, layer_window):
+    """``paged_decode_local`` against the reference: an empty sequence, page-boundary lengths and,
+    with ``sliding``, per-sequence windows with sinks (offsets as the runtime sets them)."""
+    P = spec.page_size
+    kv_lens = [70, 2 * P + 1, 45, 5, 0, 1, 300]
+    pg = Paged(rng, spec, kv_lens)
+    if sliding:  # (sink_end, window_start, sink_end - window_start): positions index the kept tokens
+        pg.kv_window[:] = [
+            (4, 30, -26),
+            (1, 2 * P, 1 - 2 * P),
+            (0, 0, 0),
+            (0, 3, -3),
+            (0, 0, 0),
+            (0, 0, 0),
+            (2, 250, -248),
+        ]
+    B = len(kv_lens)
+    q = _rand(rng, (B, spec.num_qo_heads, spec.head_dim), spec.dtype)
+    q_pos = np.array([max(L - 1, 0) + w[2] for L, w in zip(kv_lens, pg.kv_window, strict=True)], np.int32)
+    sm_scale = 1.0 / math.sqrt(spec.head_dim)
+    kw = dict(sliding=sliding, inline_rope=rope, layer_window=layer_window)
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), sm_scale, ROPE_SCALE, ROPE_THETA, **kw)
+    o = to_dev(np.ones_like(q), target)
+    lse = to_dev(np.zeros((B, spec.num_qo_heads), np.float32), target)
+    args = [to_dev(a, target) for a in (q, q_pos, pg.pages, *pg.tables())]
+    lib["paged_decode_local"](*args, o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, layer_window)
+    _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
+    assert np.isneginf(lse.numpy()[4]).all() and (o.numpy()[4].astype(np.float32) == 0).all()
+    return lse_ref
+
+
+@pytest.mark.parametrize("cfg", LOCAL_CFGS, ids=lambda c: "-".join(map(str, c)))
+def test_local_window(target, cfg, rng):
+    """The per-layer sliding window kernels (paged_prefill_causal_local, ragged_prefill_causal_local,
+    paged_decode_local; docs/layout.md, "Per-layer sliding window") against the reference, for several
+    windows: paged prefill with history (long sequences: many key tiles and row blocks), ragged
+    prefill without, decode; with and without per-sequence sliding windows, with inline RoPE."""
+    *core, sliding, rope = cfg
+    spec = _spec(target, tuple(core))
+    lib = _kernels(spec, rope=rope, sliding=sliding, local=True)
+    hist, new = [40, 0, 50, 33, 70, 2 * spec.page_size], [5, 3, 1, 9, 45, 37]
+    decode_lse = {}
+    for W in LOCAL_WINDOWS:
+        kw = dict(rope=rope, layer_window=W)
+        _run_paged_prefill(target, spec, lib, "causal", hist, new, rng=rng, sliding=sliding, **kw)
+        _run_ragged(target, spec, lib, "causal", [1, 9, 40, 3, 70], rng=rng, **kw)
+        # the same decode batch for every window (its own generator)
+        decode_lse[W] = _run_decode_local(target, spec, lib, rng=np.random.default_rng(7), sliding=sliding, **kw)
+    assert not np.allclose(decode_lse[3][0], decode_lse[0][0])  # the window matters
+    np.testing.assert_allclose(decode_lse[10_000], decode_lse[0])
+
+
+def test_local_factories_refuse_other_masks():
+    from tvmkv.tir.prefill import make_paged_prefill
+    from tvmkv.tir.ragged import make_ragged_prefill
+
+    spec = KernelSpec(4, 2, 64, 16, "float16", "llvm")
+    with pytest.raises(ValueError, match="local=True needs mask='causal'"):
+        make_paged_prefill(spec, mask="tree", local=True)
+    with pytest.raises(ValueError, match="local=True needs mask='causal'"):
+        make_ragged_prefill(spec, mask="tree", local=True)
+
+
+def test_reference_local_window_matches_dense_softmax(rng):
+    """The oracle of the local kernels: one sequence, keys at positions 0..9, a query at 9 with
+    window 3 sees keys 7, 8, 9 (paged and decode) and, ragged, rows 7..9 of 10."""
+    spec = KernelSpec(2, 1, 16, 4, "float32", "llvm")
+    pg = Paged(rng, spec, [10])
+    ids = pg.page_indices
+    k = np.stack([pg.pages[ids[j // 4], 0, :, j % 4] for j in range(10)]).astype(np.float64)  # [10, 1, 16]
+    v = np.stack([pg.pages[ids[j // 4], 1, :, j % 4] for j in range(10)]).astype(np.float64)
+    q = _rand(rng, (1, 2, 16), "float32")
+    q_pos = np.array([9], np.int32)
+    dummies = (None, None, None, None)
+    outs = [
+        ref.paged_prefill(
+            q, np.array([0, 1], np.int32), q_pos, pg.pages, *pg.tables(), *dummies, 0.25, 1.0, 1e4, layer_window=3
+        ),
+        ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), 0.25, 1.0, 1e4, layer_window=3),
+    ]
+    q10 = np.concatenate([np.zeros((9, 2, 16), np.float32), q])
+    o_rg, lse_rg = ref.ragged_prefill(
+        q10, k, v, np.array([0, 10], np.int32), np.arange(10, dtype=np.int32), None, 0.25, 1.0, 1e4, layer_window=3
+    )
+    outs.append((o_rg[9:], lse_rg[9:]))
+    for o_ref, lse_ref in outs:
+        for h in range(2):
+            s = 0.25 * k[7:10, 0] @ q[0, h]
+            p = np.exp(s) / np.exp(s).sum()
+            np.testing.assert_allclose(o_ref[0, h], p @ v[7:10, 0], rtol=1e-12)
+            np.testing.assert_allclose(lse_ref[0, h], np.log2(np.exp(s).sum()), rtol=1e-12)
+
+
 def test_reference_matches_dense_softmax(rng):
     """The oracle itself: one sequence, no paging subtleties, against a dense causal softmax."""
     spec = KernelSpec(4, 2, 16, 4, "float32", "llvm")
@@ -543,3 +665,28 @@ def test_decode_cuda_fast_path_compiles(tmp_path):
     _assert_nvcc_accepts(src, tmp_path / "dec.cu", "1046,177,550")
     # outside the fast layout (D 80: 40 elements per lane) there is no split kernel
     assert make_paged_decode_cuda(KernelSpec(12, 1, 80, 8, "bfloat16", "cuda"), split=True) is None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_local_cuda_codegen_compiles(tmp_path):
+    """The per-layer sliding window kernels (the generic cuda schedule, also for shapes whose base
+    kernels take the fast paths) and rope_q give CUDA source nvcc accepts for sm_80 and sm_90."""
+    from tvmkv.build import compile_funcs
+    from tvmkv.tir.decode import make_paged_decode
+    from tvmkv.tir.prefill import make_paged_prefill
+    from tvmkv.tir.ragged import make_ragged_prefill
+    from tvmkv.tir.rope import make_rope_q
+
+    cases = [  # spec, per-sequence sliding window + inline rope
+        (KernelSpec(12, 1, 80, 8, "bfloat16", "cuda"), True),
+        (KernelSpec(32, 8, 128, 16, "float16", "cuda"), False),
+    ]
+    funcs = {}
+    for k, (spec, both) in enumerate(cases):
+        funcs[f"pp_local_{k}"] = make_paged_prefill(spec, mask="causal", sliding=both, inline_rope=both, local=True)
+        funcs[f"rg_local_{k}"] = make_ragged_prefill(spec, mask="causal", inline_rope=both, local=True)
+        funcs[f"dec_local_{k}"] = make_paged_decode(spec, sliding=both, inline_rope=both, local=True)
+        funcs[f"rope_q_{k}"] = make_rope_q(spec, rotate=not both)
+    src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
+    assert all(f"{name}_kernel" in src for name in funcs) and "int layer_window" in src
+    _assert_nvcc_accepts(src, tmp_path / "local.cu", "1046,177")

@@ -28,7 +28,7 @@ except build.NvccNotFoundError:
     HAS_NVCC = False
 
 
-def _tiny_kernel_set(spec, *, rope_mode="none", sliding=False):
+def _tiny_kernel_set(spec, *, rope_mode="none", sliding=False, local=False):
     """One real kernel, so cache tests compile in about a second."""
     from tvmkv.tir import page_ops
 
@@ -64,6 +64,36 @@ def test_names_are_deterministic_and_readable():
     cuda = BuildKey(_spec("cuda"), "normal", False, "sm_80")
     assert cuda.target_dir == "cuda-sm_80" and cuda.name == "kvcache_q4_kv2_d64_p16_float16_rope-normal"
     assert BuildKey(_spec()) == BuildKey(_spec()) and hash(BuildKey(_spec())) == hash(BuildKey(_spec()))
+
+
+def test_local_kernel_sets_have_their_own_name_and_manifest(tiny):
+    """``local`` (the per-layer sliding window kernels) keys a library of its own; without it the
+    names stay as they were."""
+    key = BuildKey(_spec(), "inline", True, local=True)
+    assert key.name == "kvcache_q4_kv2_d64_p16_float16_rope-inline_sw_local"
+    assert key != BuildKey(_spec(), "inline", True) and not BuildKey(_spec()).local
+    lib = build.load_kernels(_spec(), rope_mode="inline", sliding=True, local=True, build_dir=tiny)
+    assert lib.key == key and lib.path.name == f"{key.name}.so"
+    assert build.load_kernels(_spec(), build_dir=tiny).key.name == "kvcache_q4_kv2_d64_p16_float16"
+    assert json.loads(lib.path.with_suffix(".json").read_text())["local"] is True
+    keys = build.expand_configs([{"local": [False, True]}], dict(SMALL, rope_mode="none", sliding=False, target="llvm"))
+    assert [k.local for k in keys] == [False, True]
+    assert build.arg_parser().parse_args(["--local"]).local
+
+
+def test_local_kernel_set_names_and_signatures():
+    """``kernel_set(local=True)`` adds the three *_local kernels, each with its base kernel's
+    parameters plus a trailing int32 ``layer_window``; rope_q is in every set."""
+    spec = _spec()
+    base = tir.kernel_set(spec)
+    local = tir.kernel_set(spec, local=True)
+    assert "rope_q" in base and not any(name.endswith("_local") for name in base)
+    assert set(local) - set(base) == {"paged_prefill_causal_local", "ragged_prefill_causal_local", "paged_decode_local"}
+    for name in ("paged_prefill_causal", "ragged_prefill_causal", "paged_decode"):
+        params = [p.name for p in local[f"{name}_local"].params]
+        assert params == [p.name for p in base[name].params] + ["layer_window"]
+        assert str(local[f"{name}_local"].params[-1].ty) == "int32"
+    assert [p.name for p in base["rope_q"].params] == ["q", "q_pos", "q_out", "rope_scale", "rope_theta"]
 
 
 def test_second_load_is_a_cache_hit(tiny):

@@ -1,4 +1,4 @@
-"""Data-movement kernels (append, split_rope, merge_state, copy_page, compact_copy, gather) vs NumPy.
+"""Data-movement kernels (append, split_rope, rope_q, merge_state, copy_page, compact_copy, gather) vs NumPy.
 
 Kernels come from ``tvmkv.build.load_kernels`` (prebuilt libraries on the GPU machine); oracles from
 ``tvmkv.reference.ops``. Copies must match bit for bit; RoPE and merging within fp tolerances.
@@ -136,6 +136,42 @@ def test_split_no_rotation(target, cfg, rng):
     q, k, v = _run_split_rope(target, cfg, qkv, pos, "none", 1.0, 1e4)
     for got, want in zip((q, k, v), ref.split_rope_ref(qkv, pos, H_qo, H_kv, rotate=False), strict=True):
         _assert_bits_equal(got, want)
+
+
+def _run_rope_q(target, cfg, q, q_pos, rope_mode, scale, theta):
+    q_out = to_dev(np.zeros_like(q), target)
+    _kernels(target, cfg, rope_mode)["rope_q"](to_dev(q, target), to_dev(q_pos, target), q_out, scale, theta)
+    return q_out.numpy()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+def test_rope_q(target, cfg, rng):
+    """rope_q (q alone, for shared-KV attention) rotates as split_rope rotates q: against the
+    reference and bit for bit against split_rope's q of the same rows."""
+    H_qo, H_kv, D, _, dtype = cfg
+    n = 37
+    qkv = _rand(rng, (n, H_qo + 2 * H_kv, D), dtype)
+    q = np.ascontiguousarray(qkv[:, :H_qo])
+    q_pos = rng.integers(0, 4096, n).astype(np.int32)
+    q_pos[:3] = [0, 1, 2]
+    scale, theta = 0.5, 5e5
+    got = _run_rope_q(target, cfg, q, q_pos, "normal", scale, theta)
+    want = ref.rope_q_ref(q, q_pos, rotate=True, rope_scale=scale, rope_theta=theta)
+    atol = (TOL[dtype] + 4 * 2.0**-23 * 4096 * scale) * np.abs(q.astype(np.float32)).max()
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=0, atol=atol)
+    _assert_bits_equal(got, _run_split_rope(target, cfg, qkv, q_pos, "normal", scale, theta)[0])
+    _assert_bits_equal(got[0], q[0])  # position 0: identity rotation
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[4]], ids=[CONFIG_IDS[4]])
+def test_rope_q_no_rotation(target, cfg, rng):
+    """rope modes "none" (and "inline", whose attention kernels rotate q): rope_q copies."""
+    H_qo, _, D, _, dtype = cfg
+    q = _rand(rng, (9, H_qo, D), dtype)
+    q_pos = rng.integers(1, 1000, 9).astype(np.int32)
+    _assert_bits_equal(_run_rope_q(target, cfg, q, q_pos, "none", 1.0, 1e4), ref.rope_q_ref(q, q_pos, rotate=False))
+    empty = np.zeros((0, H_qo, D), NP_DTYPE[dtype])
+    assert _run_rope_q(target, cfg, empty, np.zeros(0, np.int32), "none", 1.0, 1e4).shape == empty.shape
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)

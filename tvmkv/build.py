@@ -1,6 +1,6 @@
 """Compile kernel sets into ``build/<target>/`` and load them again without recompiling.
 
-One artifact per cache configuration: ``build/<target-dir>/kvcache_<tag>[_rope-<mode>][_sw].so``
+One artifact per cache configuration: ``build/<target-dir>/kvcache_<tag>[_rope-<mode>][_sw][_local].so``
 next to its own ``<name>.json`` (configuration, target, TVM version, kernel names, hashes). A
 top-level ``build/<target-dir>/manifest.json`` lists every artifact of that directory; it is rewritten
 from the per-artifact jsons (under a file lock) whenever an artifact is written, so several processes
@@ -70,7 +70,8 @@ class BuildKey:
     rope_mode: str = "none"
     sliding: bool = False
     arch: str | None = None  # CUDA only, e.g. "sm_90"
-    family: str = "kvcache"  # one of FAMILY_MODULES; rope_mode/sliding only vary the kvcache family
+    family: str = "kvcache"  # one of FAMILY_MODULES; rope_mode/sliding/local only vary the kvcache family
+    local: bool = False  # with the per-layer sliding window kernels (*_local)
 
     def __post_init__(self):
         if self.family not in FAMILY_MODULES:
@@ -87,6 +88,8 @@ class BuildKey:
             parts.append(f"rope-{self.rope_mode}")
         if self.sliding:
             parts.append("sw")
+        if self.local:
+            parts.append("local")
         return "_".join(parts)
 
 
@@ -456,6 +459,7 @@ def _manifest(key: BuildKey, names) -> dict:
         "family": key.family,
         "rope_mode": key.rope_mode,
         "sliding": key.sliding,
+        "local": key.local,
         "target": key.target_dir,
         "target_kind": key.spec.target_kind,
         "arch": key.arch,
@@ -513,7 +517,7 @@ def family_kernels(key: BuildKey) -> dict:
         from .tir import interop
 
         return interop.kernel_set(key.spec)
-    return tir.kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding)
+    return tir.kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding, local=key.local)
 
 
 def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:
@@ -600,19 +604,21 @@ def load_kernels(
     arch: str | None = None,
     build_dir: Path | str | None = None,
     family: str = "kvcache",
+    local: bool = False,
 ) -> KernelLibrary:
     """Kernels for one configuration: from this process's cache, else ``build/``, else compiled.
 
     ``family`` "kvcache" is a cache's kernel set; "interop" the foreign-layout copies of
-    ``tvmkv.tir.interop`` (``rope_mode`` and ``sliding`` do not apply to it).
+    ``tvmkv.tir.interop`` (``rope_mode``, ``sliding`` and ``local`` do not apply to it). ``local``
+    adds the per-layer sliding window kernels (``tvmkv.tir.kernel_set``), in a library of its own.
     """
     import tvm
 
     if spec.target_kind == "cuda" and arch is None:
         arch = default_cuda_arch()
     if family != "kvcache":
-        rope_mode, sliding = "none", False
-    key = BuildKey(spec, rope_mode, bool(sliding), arch if spec.target_kind == "cuda" else None, family)
+        rope_mode, sliding, local = "none", False, False
+    key = BuildKey(spec, rope_mode, bool(sliding), arch if spec.target_kind == "cuda" else None, family, bool(local))
     lib = _LOADED.get(key)
     if lib is not None:
         STATS["memory_hits"] += 1
@@ -634,7 +640,7 @@ def clear_loaded() -> None:
 # ----------------------------------------------------------------------------------------------
 
 _SPEC_KEYS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")
-_CONFIG_KEYS = _SPEC_KEYS + ("rope_mode", "sliding", "target", "arch", "family")
+_CONFIG_KEYS = _SPEC_KEYS + ("rope_mode", "sliding", "local", "target", "arch", "family")
 
 
 def expand_configs(entries, defaults: dict) -> list:
@@ -666,7 +672,7 @@ def expand_configs(entries, defaults: dict) -> list:
             arch = (c["arch"] or default_cuda_arch()) if c["target"] == "cuda" else None
             family = c.get("family", "kvcache")
             if family == "kvcache":
-                key = BuildKey(spec, c["rope_mode"], bool(c["sliding"]), arch)
+                key = BuildKey(spec, c["rope_mode"], bool(c["sliding"]), arch, local=bool(c.get("local", False)))
             else:
                 key = BuildKey(spec, "none", False, arch, family)
             if key not in keys:
@@ -699,6 +705,7 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float16", help="float32, float16 or bfloat16 (default float16)")
     p.add_argument("--rope-mode", default="none", help="none, normal or inline (default none)")
     p.add_argument("--sliding", action="store_true", help="the sliding-window/attention-sink variant")
+    p.add_argument("--local", action="store_true", help="add the per-layer sliding window kernels (*_local)")
     p.add_argument(
         "--family",
         default="kvcache",
@@ -736,6 +743,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "rope_mode": args.rope_mode,
         "sliding": args.sliding,
+        "local": args.local,
         "family": args.family,
         "target": args.target,
         "arch": archs if args.target == "cuda" else None,

@@ -3,7 +3,8 @@
 Each function takes the same arrays as the kernel of the same name (NumPy instead of device
 tensors) and returns ``(o, lse)``: ``o`` [rows, H_qo, D] float64, ``lse`` [rows, H_qo] float64 in
 base 2 (``-inf`` and ``o = 0`` for a row that sees no key). Written sequence by sequence and row by
-row for clarity, not speed.
+row for clarity, not speed. ``layer_window=W > 0`` is the reference of the ``*_local`` kernels
+(docs/layout.md, "Per-layer sliding window"); 0, the default, is no window.
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def paged_prefill(
     mask="causal",
     sliding=False,
     inline_rope=False,
+    layer_window=0,
 ):
-    """Reference of ``paged_prefill_<mask>``: q [n, H_qo, D], pages [num_pages, 2, H_kv, P, D]."""
+    """Reference of ``paged_prefill_<mask>``: q [n, H_qo, D], pages [num_pages, 2, H_kv, P, D].
+    ``layer_window=W > 0`` (``paged_prefill_causal_local``): slot j is visible only if
+    ``q_pos[i] - pos(j) < W``."""
     n, H_qo, D = q.shape
     o = np.zeros((n, H_qo, D))
     lse = np.full((n, H_qo), -np.inf)
@@ -121,6 +125,8 @@ def paged_prefill(
                 for j in np.nonzero(in_tree)[0]:
                     e, x, _ = node[j - start]
                     visible[j] = e <= enter and exit_ <= x
+            if layer_window > 0:
+                visible = visible & (q_pos[i] - pos < layer_window)
             o[i], lse[i] = _attend(qf[i], k, v, visible, sm_scale)
     return o, lse
 
@@ -139,14 +145,19 @@ def paged_decode(
     *,
     sliding=False,
     inline_rope=False,
+    layer_window=0,
 ):
-    """Reference of ``paged_decode``: q [B, H_qo, D]; every valid slot is visible."""
+    """Reference of ``paged_decode``: q [B, H_qo, D]; every valid slot is visible (with
+    ``layer_window=W > 0``, ``paged_decode_local``: only those with ``q_pos[b] - pos(j) < W``)."""
     B, H_qo, D = q.shape
     o = np.zeros((B, H_qo, D))
     lse = np.full((B, H_qo), -np.inf)
     tables = (page_indptr, page_indices, last_page_len, kv_window)
     rows = _decode_rows(q, q_pos, pages, tables, rope_scale, rope_theta, sliding, inline_rope)
     for b, (q_row, k, v, valid) in enumerate(rows):
+        if layer_window > 0:
+            _, pos = _window(kv_window, b, len(valid), sliding)
+            valid = valid & (q_pos[b] - pos < layer_window)
         o[b], lse[b] = _attend(q_row, k, v, valid, sm_scale)
     return o, lse
 
@@ -201,9 +212,23 @@ def paged_decode_split(
 
 
 def ragged_prefill(
-    q, k, v, q_indptr, q_pos, q_tree, sm_scale, rope_scale, rope_theta, *, mask="causal", inline_rope=False
+    q,
+    k,
+    v,
+    q_indptr,
+    q_pos,
+    q_tree,
+    sm_scale,
+    rope_scale,
+    rope_theta,
+    *,
+    mask="causal",
+    inline_rope=False,
+    layer_window=0,
 ):
-    """Reference of ``ragged_prefill_<mask>``: q [n, H_qo, D], k/v [n, H_kv, D] (new tokens only)."""
+    """Reference of ``ragged_prefill_<mask>``: q [n, H_qo, D], k/v [n, H_kv, D] (new tokens only).
+    ``layer_window=W > 0`` (``ragged_prefill_causal_local``): row j is visible to row i of the same
+    sequence only if ``i - j < W``."""
     n, H_qo, D = q.shape
     o = np.zeros((n, H_qo, D))
     lse = np.full((n, H_qo), -np.inf)
@@ -219,5 +244,7 @@ def ragged_prefill(
                 visible = rows <= i
             else:
                 visible = (q_tree[lo:hi, 0] <= q_tree[i, 0]) & (q_tree[i, 1] <= q_tree[lo:hi, 1])
+            if layer_window > 0:
+                visible = visible & (i - rows < layer_window)
             o[i], lse[i] = _attend(qf[i], kf[lo:hi], vf[lo:hi], visible, sm_scale)
     return o, lse

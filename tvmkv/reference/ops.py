@@ -1,4 +1,4 @@
-"""Plain NumPy references of the data-movement kernels (append, split_rope, merge_state, page ops).
+"""Plain NumPy references of the data-movement kernels (append, split_rope, rope_q, merge_state, page ops).
 
 Written independently of ``tvmkv.tir``: direct loops / slicing over the layout of docs/layout.md,
 fp64 math for RoPE and merging. Functions return new arrays (the kernels' in-place arguments are
@@ -61,6 +61,16 @@ def split_rope_ref(
         q = rope_ref(q, pos, rope_scale, rope_theta)
         k = rope_ref(k, pos, rope_scale, rope_theta)
     return q, k, v
+
+
+def rope_q_ref(
+    q: np.ndarray, q_pos: np.ndarray, *, rotate: bool, rope_scale: float = 1.0, rope_theta: float = 1e4
+) -> np.ndarray:
+    """What ``rope_q`` writes to ``q_out``: ``q [n, H_qo, D]`` rotated at ``q_pos [n]`` (fp64) when
+    ``rotate``, else a copy of q (its dtype)."""
+    if rotate:
+        return rope_ref(q, q_pos, rope_scale, rope_theta)
+    return np.array(q, copy=True)
 
 
 def merge_state_ref(o_a, lse_a, o_b, lse_b):

@@ -15,7 +15,7 @@ Modules:
   ``decode_cuda`` (the fast CUDA schedules), ``prefill`` / ``ragged`` / ``decode`` (the factories,
   which pick the schedule; ``decode`` also holds the llvm split decode), ``decode_layout`` (the
   CUDA decode's static layout and :func:`split_granule`; no TVM import).
-* data movement: ``append``, ``rope`` (``split_rope``), ``merge`` (``merge_state``,
+* data movement: ``append``, ``rope`` (``split_rope``, ``rope_q``), ``merge`` (``merge_state``,
   ``merge_splits``), ``page_ops`` (``copy_page``, ``compact_copy``, ``gather``, ``gather_pages``,
   ``scatter_pages``).
 * interop family (built lazily, not in :func:`kernel_set`): ``interop`` (copies to and from foreign
@@ -33,11 +33,14 @@ from .spec import KernelSpec
 ROPE_MODES = ("none", "normal", "inline")
 
 
-def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = False) -> dict:
+def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = False, local: bool = False) -> dict:
     """Every kernel one cache configuration needs, by name (the names ``tvmkv.runtime`` calls).
 
-    ``rope_mode`` "normal" makes ``split_rope`` rotate q and k; "inline" makes the attention kernels
-    rotate inside; ``sliding`` selects the sliding-window/attention-sink attention variants.
+    ``rope_mode`` "normal" makes ``split_rope`` (and ``rope_q``) rotate q and k; "inline" makes the
+    attention kernels rotate inside; ``sliding`` selects the sliding-window/attention-sink attention
+    variants; ``local`` adds ``paged_prefill_causal_local``, ``ragged_prefill_causal_local`` and
+    ``paged_decode_local``, the per-layer sliding window variants (docs/layout.md, "Per-layer sliding
+    window"; each takes its base kernel's arguments plus a trailing int32 ``layer_window``).
     """
     from . import append, decode, merge, page_ops, prefill, ragged, rope
 
@@ -47,6 +50,7 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
     kernels = {
         "append": append.make_append(spec),
         "split_rope": rope.make_split_rope(spec, rotate=rope_mode == "normal"),
+        "rope_q": rope.make_rope_q(spec, rotate=rope_mode == "normal"),
         "paged_prefill_none": prefill.make_paged_prefill(spec, mask="none", sliding=sliding, inline_rope=inline),
         "paged_prefill_causal": prefill.make_paged_prefill(spec, mask="causal", sliding=sliding, inline_rope=inline),
         "paged_prefill_tree": prefill.make_paged_prefill(spec, mask="tree", sliding=sliding, inline_rope=inline),
@@ -64,6 +68,14 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
     }
     if kernels["paged_decode_split"] is None:  # cuda shapes without the fast decode layout: no split
         del kernels["paged_decode_split"]
+    if local:
+        kernels["paged_prefill_causal_local"] = prefill.make_paged_prefill(
+            spec, mask="causal", sliding=sliding, inline_rope=inline, local=True
+        )
+        kernels["ragged_prefill_causal_local"] = ragged.make_ragged_prefill(
+            spec, mask="causal", inline_rope=inline, local=True
+        )
+        kernels["paged_decode_local"] = decode.make_paged_decode(spec, sliding=sliding, inline_rope=inline, local=True)
     return kernels
 
 

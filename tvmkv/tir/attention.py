@@ -11,24 +11,48 @@ decode (:mod:`tvmkv.tir.decode`) pass their bodies here. Every array is defined 
 the parameters are documented by the factories (:func:`tvmkv.tir.prefill.make_paged_prefill`,
 :func:`tvmkv.tir.ragged.make_ragged_prefill`, :func:`tvmkv.tir.decode.make_paged_decode`,
 :func:`tvmkv.tir.decode.make_paged_decode_split`).
+
+A role's local-window variant (``local=True``: ``paged_prefill_causal_local``,
+``ragged_prefill_causal_local``, ``paged_decode_local``; docs/layout.md, "Per-layer sliding window")
+is the same signature plus one trailing ``layer_window: int32`` parameter, which its body reads by
+name like the others (:func:`_with_layer_window` appends it to the parsed function).
 """
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from ._kernel_common import func_attrs
 from .spec import KernelSpec
 
 
-def paged_prefill_func(spec: KernelSpec, body):
+def _layer_window_var(local: bool):
+    """The trailing ``layer_window`` parameter of a local-window variant (None without ``local``)."""
+    return tirx.Var("layer_window", "int32") if local else None
+
+
+def _with_layer_window(func, layer_window):
+    """``func`` with the scalar ``layer_window`` appended to its parameters (``func`` itself when it
+    is None). The body bound it by name (``T.meta_var``) before it was a parameter, so the signature
+    was parsed without the well-formedness check, which runs here on the finished function."""
+    if layer_window is None:
+        return func
+    func = tirx.PrimFunc([*func.params, layer_window], func.body, func.ret_type, func.attrs)
+    tirx.analysis.verify_well_formed(func)
+    return func
+
+
+def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False):
     """The ``paged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a macro without arguments;
     one signature for every mask, target and schedule. The parameters are those of
-    :func:`tvmkv.tir.prefill.make_paged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``)."""
+    :func:`tvmkv.tir.prefill.make_paged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``).
+    ``local``: plus the trailing ``layer_window`` (int32)."""
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     attrs = func_attrs(spec)
+    lw = _layer_window_var(local)
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=lw is None)
     def paged_prefill(
         var_q: T.handle,
         var_q_indptr: T.handle,
@@ -71,20 +95,22 @@ def paged_prefill_func(spec: KernelSpec, body):
         kv_tree_start = T.match_buffer(var_kv_tree_start, (bs,), "int32")
         o = T.match_buffer(var_o, (n, H_qo, D), dtype)
         lse = T.match_buffer(var_lse, (n, H_qo), "float32")
+        layer_window = T.meta_var(lw)
         body()
 
-    return paged_prefill
+    return _with_layer_window(paged_prefill, lw)
 
 
-def ragged_prefill_func(spec: KernelSpec, body):
+def ragged_prefill_func(spec: KernelSpec, body, *, local: bool = False):
     """The ``ragged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a macro without arguments;
     one signature for every mask, target and schedule. The parameters are those of
     :func:`tvmkv.tir.ragged.make_ragged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``,
-    the number of sequences)."""
+    the number of sequences). ``local``: plus the trailing ``layer_window`` (int32)."""
     H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     attrs = func_attrs(spec)
+    lw = _layer_window_var(local)
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=lw is None)
     def ragged_prefill(
         var_q: T.handle,
         var_k: T.handle,
@@ -111,22 +137,27 @@ def ragged_prefill_func(spec: KernelSpec, body):
         o = T.match_buffer(var_o, (n, H_qo, D), dtype)
         lse = T.match_buffer(var_lse, (n, H_qo), "float32")
         B = T.meta_var(B1 - 1)
+        layer_window = T.meta_var(lw)
         body()
 
-    return ragged_prefill
+    return _with_layer_window(ragged_prefill, lw)
 
 
-def decode_func(spec: KernelSpec, body, *, split: bool):
+def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False):
     """The ``paged_decode`` PrimFunc of ``spec`` (with ``split``: ``paged_decode_split``) around
     ``body``, a macro without arguments; one signature for every target and schedule.
 
     The parameters are those of :func:`tvmkv.tir.decode.make_paged_decode` (``split``:
     ``make_paged_decode_split``); ``body`` reads them by name: the sizes ``B`` and ``NSPLIT`` (1 without
     split), the buffers ``q`` ... ``kv_window``, ``o`` / ``lse`` (``o_part`` / ``lse_part``), the scalars
-    ``sm_scale``, ``rope_scale``, ``rope_theta`` (and ``kv_chunk``).
+    ``sm_scale``, ``rope_scale``, ``rope_theta`` (and ``kv_chunk``). ``local`` (without ``split``):
+    ``paged_decode_local``, plus the trailing ``layer_window`` (int32).
     """
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     attrs = func_attrs(spec)
+    if split and local:
+        raise ValueError("paged_decode_split has no local-window variant (local layers are not split)")
+    lw = _layer_window_var(local)
     if split:
 
         @T.prim_func
@@ -163,7 +194,7 @@ def decode_func(spec: KernelSpec, body, *, split: bool):
 
         return paged_decode_split
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=lw is None)
     def paged_decode(
         var_q: T.handle,
         var_q_pos: T.handle,
@@ -192,6 +223,7 @@ def decode_func(spec: KernelSpec, body, *, split: bool):
         o = T.match_buffer(var_o, (B, H_qo, D), dtype)
         lse = T.match_buffer(var_lse, (B, H_qo), "float32")
         NSPLIT = T.meta_var(1)
+        layer_window = T.meta_var(lw)
         body()
 
-    return paged_decode
+    return _with_layer_window(paged_decode, lw)

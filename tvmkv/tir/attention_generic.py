@@ -8,7 +8,9 @@ and :mod:`tvmkv.tir.prefill_cuda`, which fall back to this one outside their sha
 See docs/layout.md for every array. The three kernels differ only in where a query row's keys come
 from (the page pool or the new tokens), which keys a row sees (the mask) and at which logical
 position a key sits (for inline RoPE); :func:`build_attention` picks those pieces at parse time
-(Python ``if`` on closure values) and wraps them in one of two schedules:
+(Python ``if`` on closure values) and wraps them in one of two schedules. The local-window variants
+(``local``; docs/layout.md, "Per-layer sliding window") add the layer's window to the mask and start
+the key scan at the tile of the first key that may lie in it:
 
 * llvm: ``T.parallel`` over (kv head, block of ``RB`` query rows of one sequence; decode: one
   row); the ``M = RB * group`` query vectors of a block share every tile of ``C`` keys, which is
@@ -49,6 +51,9 @@ SEQ = slots("b", "lo", "hi")  # a row's sequence b; lo, hi: bounds of its binary
 # window (sink_end, window_start, window_offset) and the token tree (tree_start, tree_base)
 ROW_KEYS = slots("kv_len", "end", "base", "sink_end", "window_start", "window_offset", "tree_start", "tree_base")
 BLOCK_KEYS = slots("kv_len", "base", "sink_end", "window_start", "window_offset", "tree_start", "tree_base", "end")
+# local-window kernels: the same, plus the first key that may lie in the layer's window (scan start)
+ROW_KEYS_LOCAL = slots(*ROW_KEYS._fields, "start")
+BLOCK_KEYS_LOCAL = slots(*BLOCK_KEYS._fields, "start")
 KEY = slots("visible", "index", "pos")  # cuda: one key of a row (index: slot or row; pos: logical)
 SOFTMAX = slots("m", "d_sum", "s", "m_new", "alpha")  # cuda: a warp's online softmax (s: its lane's score)
 ROWS = slots("r0", "r1", "end")  # llvm: the rows r0 .. r1 - 1 of the work item being done, its end
@@ -61,7 +66,7 @@ def _add(a, b):
     return a + b
 
 
-def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, inline_rope: bool):
+def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, inline_rope: bool, local: bool = False):
     """Build one attention PrimFunc.
 
     Parameters
@@ -77,8 +82,14 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         Honour ``kv_window`` (paged sources only; otherwise it is not read).
     inline_rope : bool
         Rotate q by ``q_pos`` and every key by its logical position, in fp32.
+    local : bool
+        The local-window variant (docs/layout.md, "Per-layer sliding window"): the signature gains the
+        trailing ``layer_window``; a key is visible only if ``q_pos - pos(j) < layer_window`` (ragged:
+        ``i - j < layer_window`` in rows of the sequence), and the key scan starts at the first key
+        that can be. Causal prefill and decode only.
     """
     assert source in ("paged", "decode", "ragged") and mask in ("none", "causal", "tree")
+    assert not local or mask == ("none" if source == "decode" else "causal")
     H_kv, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     group = spec.group
     HALF = D // 2
@@ -104,6 +115,8 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
     neg_inf = float("-inf")
     # LLVM lowering of bfloat16 vectors (stored as uint16) fails in the output store: keep it scalar
     out_loop = T.serial if dtype == "bfloat16" else T.vectorized
+    NRK = len(ROW_KEYS_LOCAL if local else ROW_KEYS)  # state slots of a row's / a block's key range
+    NBK = len(BLOCK_KEYS_LOCAL if local else BLOCK_KEYS)
 
     # ---------------------------------------------------------------- pieces shared by both schedules
     @macro
@@ -120,6 +133,19 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                 else:
                     seq[SEQ.hi] = (seq[SEQ.lo] + seq[SEQ.hi]) // 2
             seq[SEQ.b] = seq[SEQ.lo]
+
+    def window_first_key(layer_window, qp, sink_end, offset):
+        # the first key that may lie in the layer's window of a query at position qp (ragged: row qp
+        # of the sequence), a key with pos(j) > qp - W: 0 when the window reaches back to position 0
+        # (or W <= 0, no window); else qp - W + 1, in the sink (pos(j) = j) or after it (j + offset)
+        lo = qp - layer_window + 1
+        if sliding:
+            lo = T.if_then_else(lo < sink_end, lo, lo - offset)
+        return T.if_then_else(T.And(layer_window > 0, layer_window <= qp), T.max(lo, 0), 0)
+
+    def first_tile(keys, slot, size):
+        # the first tile of ``size`` keys the scan visits: the one holding keys[slot] (local), else 0
+        return keys[slot] // size if local else 0
 
     @macro
     def key_range(rng, seq, i):
@@ -161,6 +187,14 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             else:
                 rng[ROW_KEYS.end] = rng[ROW_KEYS.kv_len]
         rng[ROW_KEYS.end] = T.max(rng[ROW_KEYS.end], 0)
+        if local:
+            if paged:
+                rng[ROW_KEYS_LOCAL.start] = window_first_key(
+                    layer_window, q_pos[i], rng[ROW_KEYS.sink_end], rng[ROW_KEYS.window_offset]
+                )
+            else:
+                rng[ROW_KEYS_LOCAL.start] = window_first_key(layer_window, i - q_indptr[b], 0, 0)
+            rng[ROW_KEYS_LOCAL.start] = T.min(rng[ROW_KEYS_LOCAL.start], rng[ROW_KEYS.end])
 
     @macro
     def key_info(kinfo, rng, i, j):
@@ -177,6 +211,9 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             if causal:
                 if kinfo[KEY.pos] > q_pos[i]:
                     kinfo[KEY.visible] = 0
+            if local:
+                if layer_window > 0 and q_pos[i] - kinfo[KEY.pos] >= layer_window:
+                    kinfo[KEY.visible] = 0
             if tree:
                 if j >= rng[ROW_KEYS.tree_start]:
                     kinfo[KEY.visible] = T.Cast(
@@ -189,6 +226,9 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             kinfo[KEY.index] = rng[ROW_KEYS.base] + j
             kinfo[KEY.visible] = 1
             kinfo[KEY.pos] = q_pos[rng[ROW_KEYS.base] + j]
+            if local:
+                if j < rng[ROW_KEYS_LOCAL.start]:
+                    kinfo[KEY.visible] = 0
             if tree:
                 kinfo[KEY.visible] = T.Cast(
                     "int32",
@@ -294,6 +334,14 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             w.sq[BLOCK_KEYS.end] = T.max(w.sq[BLOCK_KEYS.end], 0)
         else:
             w.sq[BLOCK_KEYS.end] = w.sq[BLOCK_KEYS.kv_len]
+        if local:
+            # the scan starts at the first key that may lie in the window of one of the rows
+            w.sq[BLOCK_KEYS_LOCAL.start] = w.sq[BLOCK_KEYS.end]
+            for r in T.serial(RB):
+                w.sq[BLOCK_KEYS_LOCAL.start] = T.min(
+                    w.sq[BLOCK_KEYS_LOCAL.start],
+                    window_first_key(layer_window, w.qm[r], w.sq[BLOCK_KEYS.sink_end], w.sq[BLOCK_KEYS.window_offset]),
+                )
 
     @macro
     def cpu_keys(w, t, hk, K_src, V_src):
@@ -385,7 +433,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                         Q[r * group + g, d] = T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * (
                             sm_scale * T.float32(LOG2E)
                         )
-        for t in T.serial((w.sq[BLOCK_KEYS.end] + C - 1) // C):
+        for t in T.serial(first_tile(w.sq, BLOCK_KEYS_LOCAL.start, C), (w.sq[BLOCK_KEYS.end] + C - 1) // C):
             cpu_keys(w, t, hk, K_src, V_src)
             # S = Q K^T: MR x CR (query, key) pairs at a time, each a VL-lane partial sum over D
             # written as one expression (dot_lanes), so the sums stay in registers
@@ -409,6 +457,10 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
                     if tree:
                         w.vis[c] = w.vis[c] * T.Cast(
                             "int32", w.kt[c, 0] <= w.qt[mm // group, 0] and w.qt[mm // group, 1] <= w.kt[c, 1]
+                        )
+                    if local:
+                        w.vis[c] = w.vis[c] * T.Cast(
+                            "int32", layer_window <= 0 or w.qm[mm // group] - w.kpos[c] < layer_window
                         )
                     S[mm, c] = T.if_then_else(w.vis[c] == 1, S[mm, c], T.float32(neg_inf))
                 w.mx[RESCALE.m_new] = T.max(m[mm], tree_reduce([S[mm, c] for c in range(C)], T.max))
@@ -449,7 +501,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         # (0, last, 1, last - 1, ...) so the static chunks of T.parallel get equal causal work.
         # A block that spans sequences is processed one sequence at a time.
         seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
-        sq = T.alloc_buffer((len(BLOCK_KEYS),), "int32", scope="local")
+        sq = T.alloc_buffer((NBK,), "int32", scope="local")
         rows = T.alloc_buffer((len(ROWS),), "int32", scope="local")
         qm = T.alloc_buffer((RB,), "int32", scope="local")
         qt = T.alloc_buffer((RB, 2), "int32", scope="local")
@@ -538,7 +590,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         Ks = T.alloc_buffer((GB, WARP), "int32", scope="shared")  # key index, -1 = masked
         Fs = T.alloc_buffer((HALF,), "float32", scope="shared")  # RoPE frequencies (inline rope only)
         seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
-        rng = T.alloc_buffer((len(ROW_KEYS),), "int32", scope="local")
+        rng = T.alloc_buffer((NRK,), "int32", scope="local")
         kinfo = T.alloc_buffer((len(KEY),), "int32", scope="local")
         O = T.alloc_buffer((ND,), "float32", scope="local")
         st = T.alloc_buffer((len(SOFTMAX),), "float32", scope="local")
@@ -572,7 +624,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         st[SOFTMAX.m] = T.float32(neg_inf)
         st[SOFTMAX.d_sum] = T.float32(0)
         T.tvm_storage_sync("shared")
-        for t in T.serial((rng[ROW_KEYS.end] + WARP - 1) // WARP):
+        for t in T.serial(first_tile(rng, ROW_KEYS_LOCAL.start, WARP), (rng[ROW_KEYS.end] + WARP - 1) // WARP):
             # lane tx scores key t * 32 + tx
             st[SOFTMAX.s] = T.float32(neg_inf)
             Ks[ty, tx] = -1
@@ -652,7 +704,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             gpu_body(n, k, v)
 
     if source == "paged":
-        return paged_prefill_func(spec, paged_body)
+        return paged_prefill_func(spec, paged_body, local=local)
     if source == "decode":
-        return decode_func(spec, decode_body, split=False)
-    return ragged_prefill_func(spec, ragged_body)
+        return decode_func(spec, decode_body, split=False, local=local)
+    return ragged_prefill_func(spec, ragged_body, local=local)

@@ -21,17 +21,18 @@ SPLIT_KEY = slots("j", "page")  # the visited key: its slot j in the sequence, i
 SPLIT_SOFTMAX = slots("s", "m_new", "alpha", "p")  # score, new running max, rescale factor, probability
 
 
-def make_paged_decode(spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False):
+def make_paged_decode(spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False, local: bool = False):
     """Attention of one query per sequence over every valid slot of its pages.
 
-    On cuda this is the bandwidth-oriented schedule of :mod:`tvmkv.tir.decode_cuda`; on llvm the
-    shared attention builder.
+    On cuda this is the bandwidth-oriented schedule of :mod:`tvmkv.tir.decode_cuda` (``local``: the
+    generic one); on llvm the shared attention builder.
 
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
     ----------
     q : [B, H_qo, D] dtype
     q_pos : [B] int32
-        Logical position of each query (inline RoPE only; the query is the sequence's last token).
+        Logical position of each query (inline RoPE and ``local``; the query is the sequence's last
+        token).
     pages : [num_pages, 2, H_kv, P, D] dtype
     page_indptr : [B + 1] int32
     page_indices : [nnz] int32
@@ -42,7 +43,15 @@ def make_paged_decode(spec: KernelSpec, *, sliding: bool = False, inline_rope: b
     lse : [B, H_qo] float32, written
         Base-2 log-sum-exp; -inf (and o = 0) for a sequence without visible slots.
     sm_scale, rope_scale, rope_theta : float32
+    layer_window : int32 (``local`` only)
+        The layer's own window ``W``: slot ``j`` is visible only if ``q_pos[b] - pos(j) < W``
+        (``W <= 0``: no window). docs/layout.md, "Per-layer sliding window".
+
+    Keyword option ``local``: ``paged_decode_local``, the layer's sliding window with the trailing
+    ``layer_window`` parameter (there is no split variant: the runtime does not split local layers).
     """
+    if local:
+        return build_attention(spec, source="decode", mask="none", sliding=sliding, inline_rope=inline_rope, local=True)
     if spec.target_kind == "cuda":
         from .decode_cuda import make_paged_decode_cuda
 

@@ -8,12 +8,14 @@ from .spec import KernelSpec
 PREFILL_MASKS = ("none", "causal", "tree")
 
 
-def make_paged_prefill(spec: KernelSpec, *, mask: str = "causal", sliding: bool = False, inline_rope: bool = False):
+def make_paged_prefill(
+    spec: KernelSpec, *, mask: str = "causal", sliding: bool = False, inline_rope: bool = False, local: bool = False
+):
     """Attention of ragged queries over paged K/V (history + this forward's tokens, already appended).
 
-    On cuda, fp16/bf16 with head_dim 64 or 128, mask "none"/"causal", no sliding window and no
-    inline RoPE use the tensor-core schedule of :mod:`tvmkv.tir.prefill_cuda`; everything else the
-    shared attention builder.
+    On cuda, fp16/bf16 with head_dim 64 or 128, mask "none"/"causal", no sliding window, no
+    inline RoPE and not ``local`` use the tensor-core schedule of :mod:`tvmkv.tir.prefill_cuda`;
+    everything else the shared attention builder.
 
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
     ----------
@@ -37,6 +39,9 @@ def make_paged_prefill(spec: KernelSpec, *, mask: str = "causal", sliding: bool 
     lse : [n, H_qo] float32, written
         Base-2 log-sum-exp of the scaled scores; -inf (and o = 0) for a row that sees no key.
     sm_scale, rope_scale, rope_theta : float32
+    layer_window : int32 (``local`` only)
+        The layer's own window ``W``: slot ``j`` is visible only if ``q_pos[i] - pos(j) < W``
+        (``W <= 0``: no window). docs/layout.md, "Per-layer sliding window".
 
     Keyword options
     ---------------
@@ -47,9 +52,16 @@ def make_paged_prefill(spec: KernelSpec, *, mask: str = "causal", sliding: bool 
         Honour the sliding window / attention sink of ``kv_window``.
     inline_rope : bool
         Rotate q and K on the fly (K stored raw).
+    local : bool
+        ``paged_prefill_causal_local``: the layer's sliding window on top of the causal mask, with the
+        trailing ``layer_window`` parameter (generic schedule on every target; mask "causal" only).
     """
     if mask not in PREFILL_MASKS:
         raise ValueError(f"mask={mask!r} is not one of {PREFILL_MASKS}")
+    if local:
+        if mask != "causal":
+            raise ValueError(f"mask={mask!r} has no local-window variant; local=True needs mask='causal'")
+        return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope, local=True)
     if spec.target_kind == "cuda":
         from .prefill_cuda import make_prefill_cuda, prefill_layout
 

@@ -8,11 +8,11 @@ from .spec import KernelSpec
 RAGGED_MASKS = ("causal", "tree")
 
 
-def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: bool = False):
+def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: bool = False, local: bool = False):
     """Attention of the new tokens over the new tokens of the same sequence (k/v not paged).
 
-    On cuda, fp16/bf16 causal with head_dim 64 or 128 and no inline RoPE use the tensor-core schedule
-    of :mod:`tvmkv.tir.prefill_cuda`; everything else the shared attention builder.
+    On cuda, fp16/bf16 causal with head_dim 64 or 128, no inline RoPE and not ``local`` use the
+    tensor-core schedule of :mod:`tvmkv.tir.prefill_cuda`; everything else the shared attention builder.
 
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
     ----------
@@ -26,6 +26,10 @@ def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: 
     o : [n, H_qo, D] dtype, written
     lse : [n, H_qo] float32, written (base 2)
     sm_scale, rope_scale, rope_theta : float32
+    layer_window : int32 (``local`` only)
+        The layer's own window ``W``: row ``j`` is visible to row ``i`` only if ``i - j < W`` (rows of
+        one causal forward are consecutive positions; ``W <= 0``: no window). docs/layout.md,
+        "Per-layer sliding window".
 
     Keyword options
     ---------------
@@ -34,9 +38,16 @@ def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: 
         contains i's.
     inline_rope : bool
         Rotate q and k on the fly by ``q_pos``.
+    local : bool
+        ``ragged_prefill_causal_local``: the layer's sliding window on top of the causal mask, with the
+        trailing ``layer_window`` parameter (generic schedule on every target; mask "causal" only).
     """
     if mask not in RAGGED_MASKS:
         raise ValueError(f"mask={mask!r} is not one of {RAGGED_MASKS}")
+    if local:
+        if mask != "causal":
+            raise ValueError(f"mask={mask!r} has no local-window variant; local=True needs mask='causal'")
+        return build_attention(spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope, local=True)
     if spec.target_kind == "cuda":
         from .prefill_cuda import make_prefill_cuda, prefill_layout
 

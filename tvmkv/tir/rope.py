@@ -5,6 +5,7 @@
 Layouts and the RoPE convention (rotate-half over the whole head dim) are in docs/layout.md
 ("RoPE", "Fused qkv"). :func:`rope_pair` is the rotation of one pair, at the frequency of
 :func:`tvmkv.tir._kernel_common.rope_inv_freq` (the formula the attention kernels with inline RoPE use).
+:func:`make_rope_q` prepares q alone the same way (attention over another layer's K/V).
 """
 
 from __future__ import annotations
@@ -168,3 +169,79 @@ def make_split_rope(spec: KernelSpec, *, rotate: bool):
                                 v[i, h - H_qo - H_kv, d + D2] = qkv[i, h, d + D2]
 
     return split_rope_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+def rope_q_func(spec: KernelSpec, body):
+    """The ``rope_q`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads the
+    parameters of :func:`make_rope_q` by name (size ``n``, the tokens)."""
+    H_qo, D, dtype = spec.num_qo_heads, spec.head_dim, spec.dtype
+    attrs = func_attrs(spec)
+
+    @T.prim_func
+    def rope_q(var_q: T.handle, var_q_pos: T.handle, var_q_out: T.handle, rope_scale: T.float32, rope_theta: T.float32):
+        T.func_attr(attrs)
+        n = T.int32()
+        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
+        q_pos = T.match_buffer(var_q_pos, (n,), "int32")
+        q_out = T.match_buffer(var_q_out, (n, H_qo, D), dtype)
+        body()
+
+    return rope_q
+
+
+def make_rope_q(spec: KernelSpec, *, rotate: bool):
+    """``rope_q(q, q_pos, q_out, rope_scale, rope_theta)``: q alone, prepared as :func:`make_split_rope`
+    prepares it (for attention over another layer's K/V, which appends nothing).
+
+    Parameters
+    ----------
+    q : [n, H_qo, D], spec.dtype
+        Query rows (any layout of the caller's; not written).
+    q_pos : [n], int32
+        Logical position of each row (the RoPE position).
+    q_out : [n, H_qo, D], spec.dtype
+        **Written**: q rotated by ``q_pos`` when ``rotate``, else a copy of q. Must not overlap q (the
+        cuda kernel is compiled with the no-alias promise).
+    rope_scale, rope_theta : float32
+        RoPE parameters (see :func:`rope_pair`); ignored when ``rotate`` is False.
+
+    ``rotate``: rope mode "normal" (q rotated before attention); modes "none" and "inline" (the
+    attention kernels rotate q themselves) only copy.
+    """
+    H_qo, D, dtype = spec.num_qo_heads, spec.head_dim, spec.dtype
+    D2 = D // 2
+    HY = heads_per_block(H_qo, D2)
+    HB = (H_qo + HY - 1) // HY
+
+    @macro
+    def cpu_body():
+        for i in T.parallel(n):
+            for h in T.serial(H_qo):
+                for d in T.vectorized(D2):
+                    if rotate:
+                        y = T.meta_var(rope_pair(q[i, h, d], q[i, h, d + D2], q_pos[i], d, D, rope_scale, rope_theta))
+                        q_out[i, h, d] = T.cast(y[0], dtype)
+                        q_out[i, h, d + D2] = T.cast(y[1], dtype)
+                    else:
+                        q_out[i, h, d] = q[i, h, d]
+                        q_out[i, h, d + D2] = q[i, h, d + D2]
+
+    @macro
+    def gpu_body():
+        for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
+            for hb in T.thread_binding(HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D2, thread="threadIdx.x"):
+                        h = T.meta_var(hb * HY + hy)
+                        if i < n and h < H_qo:
+                            if rotate:
+                                y = T.meta_var(
+                                    rope_pair(q[i, h, d], q[i, h, d + D2], q_pos[i], d, D, rope_scale, rope_theta)
+                                )
+                                q_out[i, h, d] = T.cast(y[0], dtype)
+                                q_out[i, h, d + D2] = T.cast(y[1], dtype)
+                            else:
+                                q_out[i, h, d] = q[i, h, d]
+                                q_out[i, h, d + D2] = q[i, h, d + D2]
+
+    return rope_q_func(spec, cpu_body if spec.is_cpu else gpu_body)
