@@ -176,6 +176,10 @@ def test_create_maps_tvm_arguments_and_rejects_what_tvmkv_lacks():
     assert kw["rope_theta"] == 5e5 and kw["support_sliding_window"] and kw["num_pages"] == 40
     assert kw["dtype"] == "float32" and kw["target"] == "llvm"
     assert override.cache_kwargs(*_create_args(ext=None))["rope_mode"] == "normal"  # None: no factors (TVM)
+    # AttnKind.MHA_SLIDING layers take the config's 6th entry (layer_sliding_window_size) as their window
+    assert override.cache_kwargs(*_create_args(kinds=[3, 0], sizes=[4, 256, 16, 16, 0, 5]))["layer_windows"] == [5, 0]
+    with pytest.raises(ValueError, match="layer_sliding_window_size"):
+        override.cache_kwargs(*_create_args(kinds=[3, 0], sizes=[4, 256, 16, 16, 0]))
     for change, match in [
         (dict(kinds=[0, 1]), "MLA"),
         (dict(v=32), "v_head_dim"),

@@ -154,3 +154,74 @@ def test_override_entered_before_import_tvm():
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+def _causal(q, k, v, past, window=0):
+    """Rows q [n, H_qo, D] at positions past.. over k, v [past + n, H_kv, D]: causal, and within the last
+    ``window`` positions when window > 0 (TVM's per-layer sliding window). float64."""
+    g = H_QO // H_KV
+    out = np.zeros(q.shape)
+    for i in range(q.shape[0]):
+        p = past + i
+        keys = np.arange(k.shape[0])
+        vis = (keys <= p) & ((keys > p - window) if window else True)
+        for h in range(H_QO):
+            s = k[vis, h // g] @ q[i, h] * D**-0.5
+            w = np.exp(s - s.max())
+            out[i, h] = w @ v[vis, h // g] / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 100])
+def test_per_layer_window_and_shared_kv(window):
+    """Layer 0 attends within its own window, layer 1 to everything; attention_with_shared_kv reads layer
+    0's pages with layer 0's window, appending nothing. Prefill 3, then 2, then decode 1 (TVM's test
+    shape), ragged and paged kernels both."""
+    rng = np.random.default_rng(4)
+    cache = tvmkv.PagedAttentionKVCache(
+        2, H_QO, H_KV, D, page_size=P, max_batch_size=2, max_total_seq_len=64, prefill_chunk_size=16,
+        dtype="float32", layer_windows=[window, 0],
+    )  # fmt: skip
+    cache.add_sequence(0)
+    ks = [np.zeros((0, H_KV, D)) for _ in range(2)]
+    vs = [np.zeros((0, H_KV, D)) for _ in range(2)]
+    past = 0
+    for n in (3, 2, 1):
+        cache.begin_forward([0], [n])
+        with pytest.raises(tvmkv.ForwardStateError, match="has not run"):
+            cache.attention_with_shared_kv(0, np.zeros((n, H_QO, D), np.float32), *_kv(n))
+        for layer in range(2):
+            rows = rng.standard_normal((n, H_QO + 2 * H_KV, D)).astype(np.float32)
+            o = cache.attention_with_fused_qkv(layer, rows)
+            ks[layer] = np.concatenate([ks[layer], rows[:, H_QO : H_QO + H_KV]])
+            vs[layer] = np.concatenate([vs[layer], rows[:, H_QO + H_KV :]])
+            want = _causal(rows[:, :H_QO].astype(np.float64), ks[layer], vs[layer], past, window if layer == 0 else 0)
+            np.testing.assert_allclose(o, want, atol=2e-5, err_msg=f"layer {layer}, {n} tokens")
+        q = rng.standard_normal((n, H_QO, D)).astype(np.float32)
+        o = cache.attention_with_shared_kv(0, q, *_kv(n))
+        np.testing.assert_allclose(o, _causal(q.astype(np.float64), ks[0], vs[0], past, window), atol=2e-5)
+        cache.end_forward()
+        past += n
+    np.testing.assert_array_equal(cache.debug_get_kv(0)[0][0], ks[0])  # the shared call appended nothing
+    cache.check_integrity()
+
+
+def _kv(n):
+    return np.zeros((n, H_KV, D), np.float32), np.zeros((n, H_KV, D), np.float32)
+
+
+def test_per_layer_window_arguments():
+    with pytest.raises(ValueError, match="layer_windows"):
+        tvmkv.PagedAttentionKVCache(2, H_QO, H_KV, D, dtype="float32", layer_windows=[3])
+    with pytest.raises(ValueError, match="layer_windows"):
+        tvmkv.PagedAttentionKVCache(2, H_QO, H_KV, D, dtype="float32", layer_windows=[3, -1])
+    with pytest.raises(TypeError, match="layer_windows"):
+        tvmkv.PagedAttentionKVCache(2, H_QO, H_KV, D, dtype="float32", layer_windows=3)
+    cache = tvmkv.PagedAttentionKVCache(
+        2, H_QO, H_KV, D, page_size=P, max_batch_size=2, max_total_seq_len=64, prefill_chunk_size=16,
+        dtype="float32", layer_windows=[2, 0],
+    )  # fmt: skip
+    cache.add_sequence(0)
+    with pytest.raises(ValueError, match="token trees"):
+        cache.begin_forward([0], [1], [-1])
+    assert not cache.forward_open

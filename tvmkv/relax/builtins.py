@@ -29,6 +29,7 @@ ATTENTION_FUNC = "tvmkv.attention_with_fused_qkv"
 
 _ROPE_MODES = {0: "none", 1: "normal", 2: "inline"}
 _ATTN_KIND_MHA = 0  # tvm.relax.frontend.nn.llm.kv_cache.AttnKind.MHA
+_ATTN_KIND_MHA_SLIDING = 3  # AttnKind.MHA_SLIDING: a layer attending within its own sliding window
 
 CREATE = "vm.builtin.paged_attention_kv_cache_create"
 
@@ -50,6 +51,7 @@ _SUPPORTED = (
     "vm.builtin.attention_kv_cache_debug_get_kv",
     "vm.builtin.attention_kv_cache_get_query_positions",
     "vm.builtin.attention_kv_cache_empty",
+    "vm.builtin.attention_kv_cache_attention_with_shared_kv",
 )
 
 # Functions of TVM's interface that tvmkv does not implement, and why (also in the README).
@@ -58,7 +60,6 @@ UNSUPPORTED = {
     "q/k/v given separately; tvmkv only exposes attention with fused qkv",
     "vm.builtin.attention_kv_cache_cross_attention": "paged attention without appending (MLA-style split "
     "attention) is not exposed by tvmkv",
-    "vm.builtin.attention_kv_cache_attention_with_shared_kv": "cross-layer KV sharing is not in tvmkv",
     "vm.builtin.attention_kv_cache_append_mla_kv": "MLA (one compressed KV head) is not in tvmkv",
     "vm.builtin.attention_kv_cache_merge_attn_output_inplace": "only used with self/cross attention above",
     "vm.builtin.kv_cache_disagg_prepare_recv": "disaggregated prefill/decode is not in tvmkv",
@@ -133,6 +134,9 @@ def _impls() -> dict:
             )
         ),
         "vm.builtin.attention_kv_cache_empty": C.is_empty,
+        "vm.builtin.attention_kv_cache_attention_with_shared_kv": (
+            lambda c, layer, sm_scale, q, k, v, o: c.attention_with_shared_kv(layer, q, k, v, out=o, sm_scale=sm_scale)
+        ),
         "vm.builtin.attention_kv_cache_debug_get_kv": _debug_get_kv,
         "vm.builtin.attention_kv_cache_get_query_positions": _query_positions,
     }
@@ -243,20 +247,29 @@ class TvmBuiltinOverride:
     def cache_kwargs(self, *args) -> dict[str, Any]:
         """tvmkv constructor arguments from ``paged_attention_kv_cache_create``'s arguments.
 
-        Raises NotImplementedError for what tvmkv lacks: MLA or per-layer sliding attention kinds,
+        Raises NotImplementedError for what tvmkv lacks: MLA attention kinds,
         ``qk_head_dim != v_head_dim``, disaggregation, RoPE extension factors (longrope), several
         pipeline stages.
         """
         if len(args) < 13:
             raise TypeError(f"{CREATE} expects TVM 0.27's 28 arguments, got {len(args)}")
         sizes, partition, hq, hkv, qk_dim, v_dim, kinds, disagg, rope, scale, theta, ext, ref = args[:13]
-        max_batch, max_total, chunk, page_size, sliding = (int(x) for x in list(sizes)[:5])
+        sizes = [int(x) for x in sizes]
+        max_batch, max_total, chunk, page_size, sliding = sizes[:5]
         kinds = [int(k) for k in kinds]
-        if any(k != _ATTN_KIND_MHA for k in kinds):
+        if any(k not in (_ATTN_KIND_MHA, _ATTN_KIND_MHA_SLIDING) for k in kinds):
             raise NotImplementedError(
                 f"attention kinds {kinds} (0=MHA, 1=MLA, 3=per-layer sliding window): tvmkv supports MHA/GQA "
-                "layers only; sliding windows are per sequence (enable_sliding_window_for_seq)"
+                "layers with or without a per-layer sliding window"
             )
+        layer_windows = None
+        if _ATTN_KIND_MHA_SLIDING in kinds:
+            if len(sizes) < 6 or sizes[5] <= 0:
+                raise ValueError(
+                    f"attention kinds {kinds} have a per-layer sliding window layer, but the cache config {sizes} "
+                    "gives no positive layer_sliding_window_size (its 6th entry)"
+                )
+            layer_windows = [sizes[5] if k == _ATTN_KIND_MHA_SLIDING else 0 for k in kinds]
         if int(qk_dim) != int(v_dim):
             raise NotImplementedError(f"qk_head_dim {qk_dim} != v_head_dim {v_dim}: tvmkv uses one head_dim")
         if bool(disagg):
@@ -293,6 +306,7 @@ class TvmBuiltinOverride:
             rope_scale=float(scale),
             rope_theta=float(theta),
             support_sliding_window=bool(sliding),
+            layer_windows=layer_windows,
             target=target,
             num_pages=self.num_pages,
             build_dir=self.build_dir,
