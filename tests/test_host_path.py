@@ -177,7 +177,7 @@ def test_page_indices_follow_page_lists_after_every_operation(rng):
 
 def test_decode_fast_path_arrays_follow_page_lists(rng):
     """White-box: a decode step that repeats the previous step's batch is planned by updating that plan
-    in place (``_decode_fast_path``). After every such step (and every other operation in between:
+    in place (``plan.RepeatDecode``). After every such step (and every other operation in between:
     forks with copy-on-write, pop_n, removals, a pool running out of pages) every index array must
     equal what the Python page lists and lengths say (docs/layout.md)."""
     P = 4

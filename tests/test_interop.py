@@ -372,7 +372,7 @@ def _paged(nb):
 
 
 def test_layout_kernels_bf16_single_head(target, rng):
-    """The tvmkv.tir.layout kernels without a cache, in another dtype and shape (bf16, H_kv = 1, P = 8):
+    """The tvmkv.tir.interop kernels without a cache, in another dtype and shape (bf16, H_kv = 1, P = 8):
     export then import of every layout against the NumPy references, bit for bit."""
     spec = tvmkv.KernelSpec(2, 1, 16, 8, "bfloat16", target)
     lib = build.load_kernels(spec, family="interop")
@@ -417,7 +417,7 @@ def _shape(layout, layers, size):
 
 def test_interop_kernels_are_a_separate_family(cache):
     """The copies are not in the cache's kernel set; they build lazily into interop_<tag>.so, and the
-    cache's sources hash ignores tvmkv/tir/layout.py."""
+XX
     assert "export_nhd" not in cache.kernels and "gather" in cache.kernels
     cache.add_sequence(0)
     interop.export_sequence(cache, 0, "nhd")  # an empty sequence: validates, loads nothing
