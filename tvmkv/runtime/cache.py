@@ -568,11 +568,7 @@ class PagedAttentionKVCache:
             return o
         kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
         if out is not None:
-            if tensors.array_kind(out) != kind:
-                raise TypeError(f"out is a {tensors.array_kind(out)} array but qkv is {kind}; pass the same kind")
-            self._check_array(out, "out", fwd.o_shape)
-            if kind == "numpy" and not out.flags.writeable:
-                raise ValueError("out is a read-only NumPy array; pass a writeable one (or out=None)")
+            self._check_out(out, kind, "qkv", fwd.o_shape)
         qkv_dev = tensors.to_device(qkv, kind, self.device)
         o_dev = self._output_buffer(out, kind, fwd.total)
         run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale, window)
@@ -615,11 +611,7 @@ class PagedAttentionKVCache:
                 raise TypeError(f"{name} is a {tensors.array_kind(x)} array but q is {kind}; pass the same kind")
             self._check_array(x, name, (n, cfg.num_kv_heads, cfg.head_dim))
         if out is not None:
-            if tensors.array_kind(out) != kind:
-                raise TypeError(f"out is a {tensors.array_kind(out)} array but q is {kind}; pass the same kind")
-            self._check_array(out, "out", fwd.o_shape)
-            if kind == "numpy" and not out.flags.writeable:
-                raise ValueError("out is a read-only NumPy array; pass a writeable one (or out=None)")
+            self._check_out(out, kind, "q", fwd.o_shape)
         if "rope_q" not in self.kernels:
             raise RuntimeError(
                 f"the kernel library {getattr(self.kernels, 'path', '')} has no rope_q (built before shared-KV "
@@ -903,6 +895,14 @@ class PagedAttentionKVCache:
         if not tensors.is_contiguous(x, kind):
             raise ValueError(f"{name} is not contiguous; pass a contiguous array (e.g. .contiguous())")
         return kind
+
+    def _check_out(self, out, kind: str, source: str, shape: tuple) -> None:
+        """``out`` must be the same kind as the input ``source``, of ``shape``, and writeable."""
+        if tensors.array_kind(out) != kind:
+            raise TypeError(f"out is a {tensors.array_kind(out)} array but {source} is {kind}; pass the same kind")
+        self._check_array(out, "out", shape)
+        if kind == "numpy" and not out.flags.writeable:
+            raise ValueError("out is a read-only NumPy array; pass a writeable one (or out=None)")
 
     def _output_buffer(self, out, kind: str, total: int):
         import tvm
