@@ -26,6 +26,8 @@ import tvm_ffi
 from ..runtime.cache import PagedAttentionKVCache
 
 ATTENTION_FUNC = "tvmkv.attention_with_fused_qkv"
+SHARED_KV_FUNC = "tvmkv.attention_with_shared_kv"
+QUERY_POSITIONS_FUNC = "tvmkv.get_query_positions"
 
 _ROPE_MODES = {0: "none", 1: "normal", 2: "inline"}
 _ATTN_KIND_MHA = 0  # tvm.relax.frontend.nn.llm.kv_cache.AttnKind.MHA
@@ -52,16 +54,14 @@ _SUPPORTED = (
     "vm.builtin.attention_kv_cache_get_query_positions",
     "vm.builtin.attention_kv_cache_empty",
     "vm.builtin.attention_kv_cache_attention_with_shared_kv",
+    "vm.builtin.attention_kv_cache_self_attention",
+    "vm.builtin.attention_kv_cache_cross_attention",
+    "vm.builtin.attention_kv_cache_merge_attn_output_inplace",
 )
 
 # Functions of TVM's interface that tvmkv does not implement, and why (also in the README).
 UNSUPPORTED = {
-    "vm.builtin.attention_kv_cache_self_attention": "needs the lse output of a ragged self-attention over "
-    "q/k/v given separately; tvmkv only exposes attention with fused qkv",
-    "vm.builtin.attention_kv_cache_cross_attention": "paged attention without appending (MLA-style split "
-    "attention) is not exposed by tvmkv",
     "vm.builtin.attention_kv_cache_append_mla_kv": "MLA (one compressed KV head) is not in tvmkv",
-    "vm.builtin.attention_kv_cache_merge_attn_output_inplace": "only used with self/cross attention above",
     "vm.builtin.kv_cache_disagg_prepare_recv": "disaggregated prefill/decode is not in tvmkv",
     "vm.builtin.kv_cache_disagg_mark_send": "disaggregated prefill/decode is not in tvmkv",
 }
@@ -77,9 +77,28 @@ def _attention(cache, layer_id, sm_scale, qkv, out) -> None:
     cache.attention_with_fused_qkv(layer_id, qkv, sm_scale, out=out)
 
 
+def _attention_shared(cache, layer_id, sm_scale, q, k, v, out) -> None:
+    """``tvmkv.attention_with_shared_kv(cache, source_layer_id, sm_scale, q, k, v, out)``: writes ``out``."""
+    if not isinstance(cache, PagedAttentionKVCache):
+        raise TypeError(f"{SHARED_KV_FUNC} got a {type(cache).__name__} as its cache; pass a tvmkv.PagedAttentionKVCache")
+    cache.attention_with_shared_kv(layer_id, q, k, v, out=out, sm_scale=sm_scale)
+
+
+def _query_positions_own(cache):
+    """``tvmkv.get_query_positions(cache)``: positions ``[n]`` int32 of the open forward's tokens."""
+    if not isinstance(cache, PagedAttentionKVCache):
+        raise TypeError(
+            f"{QUERY_POSITIONS_FUNC} got a {type(cache).__name__} as its cache; pass a tvmkv.PagedAttentionKVCache"
+        )
+    return cache.query_positions()
+
+
 def register() -> None:
-    """Register ``tvmkv.attention_with_fused_qkv`` (idempotent). Call before constructing the VM."""
+    """Register the ``tvmkv.*`` globals of :class:`tvmkv.relax.TvmkvKVCache` (idempotent): attention with
+    fused qkv, attention with shared KV, query positions. Call before constructing the VM."""
     tvm_ffi.register_global_func(ATTENTION_FUNC, _attention, override=True)
+    tvm_ffi.register_global_func(SHARED_KV_FUNC, _attention_shared, override=True)
+    tvm_ffi.register_global_func(QUERY_POSITIONS_FUNC, _query_positions_own, override=True)
 
 
 def cuda_target(arch: str | None):
@@ -106,6 +125,12 @@ def _debug_get_kv(cache: PagedAttentionKVCache, seq_id, start_pos, end_pos, k_da
     k, v = cache.debug_get_kv(seq_id, start_pos, end_pos)
     k_data.copyfrom(np.ascontiguousarray(k))
     v_data.copyfrom(np.ascontiguousarray(v))
+
+
+def _merge(cache: PagedAttentionKVCache, o_self, lse_self, o_cross, lse_cross):
+    """TVM's MergeAttnOutputInplace: merge the cross state into the self state in place; returns both."""
+    cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
+    return [o_self, lse_self]
 
 
 def _query_positions(cache: PagedAttentionKVCache):
@@ -138,6 +163,13 @@ def _impls() -> dict:
             lambda c, layer, sm_scale, q, k, v, o: c.attention_with_shared_kv(layer, q, k, v, out=o, sm_scale=sm_scale)
         ),
         "vm.builtin.attention_kv_cache_debug_get_kv": _debug_get_kv,
+        "vm.builtin.attention_kv_cache_self_attention": (
+            lambda c, layer, sm_scale, q, k, v, o, lse: c.self_attention(layer, q, k, v, o, lse, sm_scale)
+        ),
+        "vm.builtin.attention_kv_cache_cross_attention": (
+            lambda c, layer, sm_scale, q, o, lse: c.cross_attention(layer, q, o, lse, sm_scale)
+        ),
+        "vm.builtin.attention_kv_cache_merge_attn_output_inplace": _merge,
         "vm.builtin.attention_kv_cache_get_query_positions": _query_positions,
     }
 

@@ -26,9 +26,9 @@ from ..target import parse_target
 from . import tensors
 from .decode_split import NO_SPLIT
 from .index_buffer import RING, IndexBuffers
-from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer, run_shared
+from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer, run_paged, run_ragged, run_shared
 from .pages import PageHolder, PagePool
-from .plan import PackedLayout, RepeatDecode, plan_step
+from .plan import PackedLayout, RepeatDecode, history_tables, plan_step
 from .sequences import SequenceInfo, SequenceTable, as_int, check_id
 from .swap import DEFAULT_STAGING_BYTES, HostSwap
 
@@ -209,6 +209,7 @@ class PagedAttentionKVCache:
         self._ran = [-1] * cfg.num_layers  # per layer: the last forward (self._step) its attention ran in
         self._repeat: RepeatDecode | None = None
         self._repeated = False  # whether the open forward was planned by RepeatDecode
+        self._history: tuple | None = None  # (step, device page tables of the keys before it): cross_attention
 
     # ------------------------------------------------------------------ queries
     def is_empty(self) -> bool:
@@ -623,6 +624,194 @@ class PagedAttentionKVCache:
         run_shared(fwd, shared, self.kernels["rope_q"], self.pages[layer], q_dev, o_dev, sm_scale, self._windows[layer])
         return self._deliver(o_dev, out, kind)
 
+    # ------------------------------------------------------------------ fine-grained attention (TVM's)
+    def self_attention(self, layer_id, q, k, v, out=None, lse=None, sm_scale=None):
+        """Attention among the open forward's new tokens alone, over the ``k`` / ``v`` given here: causal
+        within each sequence (a token-tree forward: each token sees its ancestors among the new
+        tokens); reads and writes no pages (TVM's ``self_attention``; docs/layout.md, "Fine-grained
+        attention"). A layer with a per-layer window (``layer_windows``) attends within it. With
+        ``rope_mode="inline"`` q and k are rotated at their positions inside the kernel; otherwise they
+        are used as given.
+
+        Parameters
+        ----------
+        layer_id : int
+            Layer in ``[0, num_layers)`` (selects its per-layer window).
+        q : array
+            ``[total_new_tokens, H_qo, D]`` of the cache dtype, tokens in ``begin_forward`` order.
+        k, v : array
+            ``[total_new_tokens, H_kv, D]``, the same kind as ``q``.
+        out : array, optional
+            ``[total_new_tokens, H_qo, D]``, written in place when given.
+        lse : array, optional
+            ``[total_new_tokens, H_qo]`` float32, written in place when given: the base-2 log-sum-exp
+            of each row's scores (docs/layout.md), to merge with :meth:`merge_attn_output_inplace`.
+        sm_scale : float, optional
+            Softmax scale, default ``head_dim ** -0.5``.
+
+        Returns
+        -------
+        ``(o, lse)`` in the kind of ``q``.
+        """
+        cfg = self.config
+        fwd = self._open_forward("self_attention")
+        layer = self._layer(layer_id)
+        sm_scale = self._sm_scale(sm_scale)
+        n, D = fwd.total, cfg.head_dim
+        kind = self._check_array(q, "q", (n, cfg.num_qo_heads, D))
+        for x, name in ((k, "k"), (v, "v")):
+            self._check_kind(x, name, kind, "q")
+            self._check_array(x, name, (n, cfg.num_kv_heads, D))
+        o_dev, lse_dev = self._outputs(out, lse, kind, (n, cfg.num_qo_heads, D))
+        q_dev, k_dev, v_dev = (tensors.to_device(x, kind, self.device) for x in (q, k, v))
+        run_ragged(fwd, self.kernels, q_dev, k_dev, v_dev, o_dev, lse_dev, sm_scale, self._windows[layer])
+        return self._deliver(o_dev, out, kind), self._deliver(lse_dev, lse, kind)
+
+    def cross_attention(self, layer_id, q, out=None, lse=None, sm_scale=None, *, include_new=None):
+        """Attention of the open forward's queries over the K/V that layer ``layer_id``'s pages hold,
+        appending nothing (TVM's ``cross_attention``; docs/layout.md, "Fine-grained attention").
+
+        Parameters
+        ----------
+        layer_id : int
+            The layer whose pages are read (its per-layer window applies).
+        q : array
+            ``[total_new_tokens, H_qo, D]``, tokens in ``begin_forward`` order (rotated inside the
+            kernel only with ``rope_mode="inline"``).
+        out, lse, sm_scale
+            As for :meth:`self_attention`.
+        include_new : bool, optional
+            False: only the keys held before this forward (the history; a sequence without one gets
+            ``o = 0``, ``lse = -inf``). True: the history and this forward's tokens (causal), which
+            this layer's attention must already have appended. None (default): TVM's rule — True for
+            a decode step (one token per sequence) of a cache without ``support_sliding_window``,
+            else False; that is what pairs with :meth:`self_attention` and
+            :meth:`merge_attn_output_inplace` in a prefill.
+
+        Returns
+        -------
+        ``(o, lse)`` in the kind of ``q``.
+        """
+        cfg = self.config
+        fwd = self._open_forward("cross_attention")
+        layer = self._layer(layer_id)
+        sm_scale = self._sm_scale(sm_scale)
+        if fwd.kernel == "paged_prefill_tree":
+            raise NotImplementedError(
+                "cross_attention in a token-tree forward is not supported (as in TVM); use attention_with_fused_qkv"
+            )
+        if include_new is None:
+            include_new = fwd.kernel == "paged_decode" and not cfg.support_sliding_window
+        elif not isinstance(include_new, bool):
+            raise TypeError(f"include_new={include_new!r} must be True, False or None (TVM's rule)")
+        if include_new and self._ran[layer] != self._step:
+            raise ForwardStateError(
+                f"cross_attention(include_new=True) reads this forward's tokens from layer {layer}'s pages, but "
+                "nothing appended them in this forward; call attention_with_fused_qkv for that layer first, or "
+                "pass include_new=False"
+            )
+        n = fwd.total
+        shape = (n, cfg.num_qo_heads, cfg.head_dim)
+        kind = self._check_array(q, "q", shape)
+        o_dev, lse_dev = self._outputs(out, lse, kind, shape)
+        q_dev = tensors.to_device(q, kind, self.device)
+        bound = self._launcher.paged(fwd, None if include_new else self._history_tables(fwd))
+        _, rope_scale, rope_theta = fwd.attn_end
+        run_paged(
+            bound, self.pages[layer], q_dev, o_dev, lse_dev, sm_scale, rope_scale, rope_theta, self._windows[layer]
+        )
+        return self._deliver(o_dev, out, kind), self._deliver(lse_dev, lse, kind)
+
+    def merge_attn_output_inplace(self, o, lse, o_other, lse_other):
+        """Merge the partial attention state ``(o_other, lse_other)`` into ``(o, lse)``, **in place**:
+        the result of attending over both key sets (docs/layout.md, "Outputs and the log-sum-exp";
+        rows with ``lse = -inf`` contribute nothing). TVM's ``merge_attn_output_inplace``; needs no
+        open forward.
+
+        Parameters
+        ----------
+        o, o_other : array
+            ``[n, H_qo, D]`` of the cache dtype; ``o`` is overwritten.
+        lse, lse_other : array
+            ``[n, H_qo]`` float32 base-2 log-sum-exps; ``lse`` is overwritten.
+
+        Returns
+        -------
+        ``(o, lse)``, the arrays passed in.
+        """
+        cfg = self.config
+        kind = tensors.array_kind(o)
+        shape = tensors.describe(o, kind)[0]
+        if len(shape) != 3 or shape[1:] != (cfg.num_qo_heads, cfg.head_dim):
+            raise ValueError(f"o has shape {shape}; expected [n, {cfg.num_qo_heads}, {cfg.head_dim}]")
+        n = shape[0]
+        self._check_array(o, "o", shape)
+        for x, name, want, dtype in (
+            (lse, "lse", (n, cfg.num_qo_heads), "float32"),
+            (o_other, "o_other", shape, None),
+            (lse_other, "lse_other", (n, cfg.num_qo_heads), "float32"),
+        ):
+            self._check_kind(x, name, kind, "o")
+            self._check_array(x, name, want, dtype)
+        for x, name in ((o, "o"), (lse, "lse")):
+            if kind == "numpy" and not x.flags.writeable:
+                raise ValueError(f"{name} is a read-only NumPy array; merge_attn_output_inplace writes it")
+        o_dev, lse_dev, ob_dev, lb_dev = (tensors.to_device(x, kind, self.device) for x in (o, lse, o_other, lse_other))
+        self.kernels["merge_state"](o_dev, lse_dev, ob_dev, lb_dev)
+        self._deliver(o_dev, o, kind)
+        self._deliver(lse_dev, lse, kind)
+        return o, lse
+
+    def _open_forward(self, what: str) -> Forward:
+        if self._fwd is None:
+            raise ForwardStateError(f"{what} called outside begin_forward/end_forward")
+        return self._fwd
+
+    def _layer(self, layer_id) -> int:
+        layer = layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer_id {layer} is out of range [0, {self.config.num_layers})")
+        return layer
+
+    def _check_kind(self, x, name: str, kind: str, source: str) -> None:
+        if tensors.array_kind(x) != kind:
+            raise TypeError(f"{name} is a {tensors.array_kind(x)} array but {source} is {kind}; pass the same kind")
+
+    def _outputs(self, out, lse, kind: str, o_shape: tuple) -> tuple:
+        """Device ``(o, lse)`` buffers: the caller's ``out`` / ``lse`` (checked) or fresh ones."""
+        import tvm
+
+        lse_shape = o_shape[:2]
+        if out is not None:
+            self._check_out(out, kind, "q", o_shape)
+        if lse is not None:
+            self._check_kind(lse, "lse", kind, "q")
+            self._check_array(lse, "lse", lse_shape, "float32")
+            if kind == "numpy" and not lse.flags.writeable:
+                raise ValueError("lse is a read-only NumPy array; pass a writeable one (or lse=None)")
+        bufs = []
+        for x, shape, dtype in ((out, o_shape, self.config.dtype), (lse, lse_shape, "float32")):
+            t = None
+            if x is not None and kind == "tvm":
+                t = x
+            elif x is not None and kind == "torch":
+                try:
+                    t = tvm.runtime.from_dlpack(x)
+                except RuntimeError:
+                    t = None  # unaligned: compute into a fresh buffer, copy back
+            bufs.append(tvm.runtime.empty(shape, dtype, self.device) if t is None else t)
+        return tuple(bufs)
+
+    def _history_tables(self, fwd: Forward) -> tuple:
+        """Device page tables of the keys held before the open forward (built once per forward)."""
+        if self._history is None or self._history[0] != self._step:
+            import tvm
+
+            seqs = [self._table.get(s) for s in fwd.seq_ids]
+            tables = history_tables(seqs, fwd.lengths, self.config.page_size)
+            self._history = (self._step, tuple(tvm.runtime.tensor(a, self.device) for a in tables))
+        return self._history[1]
+
     def _deliver(self, o_dev, out, kind: str):
         """The output in the caller's kind: ``out`` written in place, or a new array."""
         if out is None:
@@ -882,12 +1071,14 @@ class PagedAttentionKVCache:
             and x.dtype == self.config.dtype
         )
 
-    def _check_array(self, x, name: str, shape: tuple) -> str:
+    def _check_array(self, x, name: str, shape: tuple, dtype: str | None = None) -> str:
         kind = tensors.array_kind(x)
         got_shape, got_dtype, got_dev = tensors.describe(x, kind)
         if got_shape != shape:
             raise ValueError(f"{name} has shape {got_shape}; expected {shape} for this forward")
-        if got_dtype != self.config.dtype:
+        if dtype is not None and got_dtype != dtype:
+            raise ValueError(f"{name} has dtype {got_dtype}; expected {dtype}")
+        if dtype is None and got_dtype != self.config.dtype:
             raise ValueError(f"{name} has dtype {got_dtype}; the cache holds {self.config.dtype}: cast it first")
         want_dev = "cpu" if self.config.target_kind == "llvm" else "cuda"
         if kind != "numpy" and got_dev != want_dev:

@@ -136,19 +136,35 @@ class Launcher:
             lse_buf._create_view((split.num_splits, batch, cfg.num_qo_heads)),
         )
 
+    def paged(self, fwd: Forward, history: tuple | None = None) -> tuple:
+        """``(kernel, local kernel, head, tail)``: paged attention of ``fwd``'s queries over one layer's
+        pages, called as ``kernel(q, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta)``
+        (the local kernel takes a trailing ``layer_window``; None without per-layer windows).
+
+        ``history`` None: every key the pages hold for the forward's sequences, this forward's tokens
+        included (causal; the decode kernel for a decode step). Otherwise the device page tables
+        ``(page_indptr, page_indices, last_page_len)`` of the keys held before the forward
+        (:func:`tvmkv.runtime.plan.history_tables`): the causal prefill kernel over them sees every
+        key, since each lies before the queries.
+        """
+        lib, d = self.kernels, fwd.dev
+        head: tuple
+        if history is not None:
+            name, head = "paged_prefill_causal", (d["q_indptr"], d["q_pos"])
+            tail = (*history, *_paged_tail(d)[3:])
+        elif fwd.kernel == "paged_decode":
+            name, head, tail = "paged_decode", (d["q_pos"],), _paged_tail(d)[:4]
+        else:  # the new tokens are in the pages: a prefill reads them there too
+            name = "paged_prefill_tree" if fwd.kernel == "paged_prefill_tree" else "paged_prefill_causal"
+            head, tail = (d["q_indptr"], d["q_pos"]), _paged_tail(d)
+        local = lib[name + "_local"] if self.config.has_local_layers and name != "paged_prefill_tree" else None
+        return lib[name], local, head, tail
+
     def shared(self, fwd: Forward) -> tuple:
-        """``(kernel, local kernel, head, tail)`` of paged attention over a layer's pages for ``fwd``'s
-        queries (``attention_with_shared_kv``; bound on first use, kept on the forward)."""
+        """:meth:`paged` over every key, bound on first use and kept on the forward
+        (``attention_with_shared_kv``, which runs once per sharing layer)."""
         if not fwd.shared:
-            lib, d, s = self.kernels, fwd.dev, fwd.scratch
-            head: tuple
-            if fwd.kernel == "paged_decode":
-                name, head, tail = "paged_decode", (s["q"], d["q_pos"]), _paged_tail(d)[:4]
-            else:  # the new tokens are in the source layer's pages: a prefill reads them there too
-                name = "paged_prefill_tree" if fwd.kernel == "paged_prefill_tree" else "paged_prefill_causal"
-                head, tail = (s["q"], d["q_indptr"], d["q_pos"]), _paged_tail(d)
-            local = lib[name + "_local"] if self.config.has_local_layers and name != "paged_prefill_tree" else None
-            fwd.shared = (lib[name], local, head, tail)
+            fwd.shared = self.paged(fwd)
         return fwd.shared
 
     def bind(self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT) -> Forward:
@@ -242,10 +258,30 @@ def run_shared(fwd: Forward, shared: tuple, rope_q, pages, q, o, sm_scale: float
     """Attention of ``q`` over ``pages`` (another layer's, which already holds this forward's tokens),
     appending nothing: ``rope_q`` prepares q as ``split_rope`` would, then the paged kernel ``shared``
     (:meth:`Launcher.shared`) runs."""
-    kernel, local, head, tail = shared
     lse, rope_scale, rope_theta = fwd.attn_end
-    rope_q(q, fwd.split[0], fwd.scratch["q"], rope_scale, rope_theta)
+    q_rot = fwd.scratch["q"]
+    rope_q(q, fwd.split[0], q_rot, rope_scale, rope_theta)
+    run_paged(shared, pages, q_rot, o, lse, sm_scale, rope_scale, rope_theta, window)
+
+
+def run_paged(bound: tuple, pages, q, o, lse, sm_scale: float, rope_scale: float, rope_theta: float, window: int):
+    """Launch :meth:`Launcher.paged`'s ``bound`` attention of ``q`` over ``pages`` into ``o`` / ``lse``."""
+    kernel, local, head, tail = bound
     if window:
-        local(*head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, window)
+        local(q, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, window)
     else:
-        kernel(*head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta)
+        kernel(q, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta)
+
+
+def run_ragged(fwd: Forward, kernels, q, k, v, o, lse, sm_scale: float, window: int) -> None:
+    """Causal (or token-tree) attention among the forward's new tokens alone, over the given ``k`` /
+    ``v`` (``self_attention``): the ragged prefill kernel, its local variant for a windowed layer."""
+    d = fwd.dev
+    _, rope_scale, rope_theta = fwd.attn_end
+    args = (q, k, v, d["q_indptr"], d["q_pos"], d["q_tree"], o, lse, sm_scale, rope_scale, rope_theta)
+    if fwd.kernel == "paged_prefill_tree":
+        kernels["ragged_prefill_tree"](*args)
+    elif window:
+        kernels["ragged_prefill_causal_local"](*args, window)
+    else:
+        kernels["ragged_prefill_causal"](*args)

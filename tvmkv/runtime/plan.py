@@ -189,6 +189,23 @@ def plan_step(ib: IndexBuffers, page_size: int, seq_ids, seqs, lens, history, np
     )
 
 
+def history_tables(seqs, lengths, page_size: int) -> tuple:
+    """``(page_indptr [B+1], page_indices [nnz], last_page_len [B])`` int32 page tables of the keys the
+    sequences held **before** the open forward (its new tokens excluded), for attention over the
+    history alone (``cross_attention``; docs/layout.md, "Fine-grained attention"). ``seqs`` are the
+    forward's sequences after ``begin_forward`` grew them, ``lengths`` its new tokens per sequence.
+    A sequence's history pages are a prefix of its page list; one with no history has no pages."""
+    P = page_size
+    history = np.fromiter(map(_KV_LEN, seqs), np.int64, len(seqs)) - np.asarray(lengths, np.int64)
+    npages = -(-history // P)
+    page_indptr = np.zeros(len(seqs) + 1, np.int32)
+    np.cumsum(npages, out=page_indptr[1:])
+    parts = [seq.pages[:k] for seq, k in zip(seqs, npages.tolist())]
+    page_indices = np.concatenate(parts).astype(np.int32) if page_indptr[-1] else np.zeros(1, np.int32)
+    last_page_len = np.where(npages > 0, history - (npages - 1) * P, 0).astype(np.int32)
+    return page_indptr, page_indices, last_page_len
+
+
 def dfs_intervals(parents: list) -> tuple:
     """(enter, exit) preorder intervals of a forest given parent indices (parent < child)."""
     n = len(parents)
