@@ -8,7 +8,9 @@ may build into one directory. The in-process cache and the file names derive fro
 
 Kernel families: ``kvcache`` (``tvmkv.tir.kernel_set``, what every cache loads) and families that
 are compiled lazily by the features that use them, into artifacts of their own named
-``<family>_<tag>.so`` (``interop``: ``tvmkv.tir.interop``, the foreign-layout copies). A family's
+``<family>_<tag>.so`` (``interop``: ``tvmkv.tir.interop``, the foreign-layout copies; ``mla``:
+``tvmkv.tir.mla``, the MLA cache kernels, keyed by an ``MlaSpec`` and named by its tag alone, e.g.
+``mla_h128_c512_r64_p16_float16.so``). A family's
 modules listed in :data:`FAMILY_MODULES` are left out of the ``kvcache`` sources hash, so editing
 them does not make cache kernel sets stale.
 
@@ -46,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .target import CUDA_ARCHS, default_cuda_arch, host_llvm_mcpu, make_target
-from .tir.spec import KernelSpec
+from .tir.spec import KernelSpec, MlaSpec
 
 BUILD_DIR_ENV = "TVMKV_BUILD_DIR"
 BUILD_DIR_HELP = (
@@ -57,7 +59,8 @@ NVCC_DIAG_SUPPRESS = "177,550,1046"  # unused variable, set-but-unused, inexact 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = 1
 
-FAMILY_MODULES = {"kvcache": (), "interop": ("interop.py", "foreign_layouts.py")}  # tir modules only that family builds
+# tir modules only that family builds
+FAMILY_MODULES = {"kvcache": (), "interop": ("interop.py", "foreign_layouts.py"), "mla": ("mla.py",)}
 _LOADED: dict = {}  # BuildKey -> KernelLibrary (this process)
 STATS = {"compiles": 0, "disk_loads": 0, "memory_hits": 0, "nvcc_compiles": 0, "nvcc_cache_hits": 0}
 
@@ -66,7 +69,7 @@ STATS = {"compiles": 0, "disk_loads": 0, "memory_hits": 0, "nvcc_compiles": 0, "
 class BuildKey:
     """Everything that decides what a kernel set compiles to."""
 
-    spec: KernelSpec
+    spec: KernelSpec | MlaSpec  # MlaSpec exactly for the mla family
     rope_mode: str = "none"
     sliding: bool = False
     arch: str | None = None  # CUDA only, e.g. "sm_90"
@@ -76,6 +79,11 @@ class BuildKey:
     def __post_init__(self):
         if self.family not in FAMILY_MODULES:
             raise ValueError(f"family={self.family!r} is not one of {tuple(FAMILY_MODULES)}")
+        if (self.family == "mla") != isinstance(self.spec, MlaSpec):
+            raise ValueError(
+                f"BuildKey family={self.family!r} with a {type(self.spec).__name__}: the mla family takes an "
+                "MlaSpec and every other family a KernelSpec"
+            )
 
     @property
     def target_dir(self) -> str:
@@ -83,7 +91,7 @@ class BuildKey:
 
     @property
     def name(self) -> str:
-        parts = [self.family, self.spec.tag]
+        parts = [self.family, self.spec.tag] if self.family != "mla" else [self.spec.tag]  # MlaSpec.tag: mla_...
         if self.rope_mode != "none":
             parts.append(f"rope-{self.rope_mode}")
         if self.sliding:
@@ -517,6 +525,10 @@ def family_kernels(key: BuildKey) -> dict:
         from .tir import interop
 
         return interop.kernel_set(key.spec)
+    if key.family == "mla":
+        from .tir import mla
+
+        return mla.kernel_set(key.spec)
     return tir.kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding, local=key.local)
 
 
@@ -597,7 +609,7 @@ def _runtime_only() -> bool:
 
 
 def load_kernels(
-    spec: KernelSpec,
+    spec: KernelSpec | MlaSpec,
     *,
     rope_mode: str = "none",
     sliding: bool = False,
@@ -608,7 +620,9 @@ def load_kernels(
 ) -> KernelLibrary:
     """Kernels for one configuration: from this process's cache, else ``build/``, else compiled.
 
-    ``family`` "kvcache" is a cache's kernel set; "interop" the foreign-layout copies of
+    ``family`` "kvcache" is a cache's kernel set; "mla" the MLA kernels of ``tvmkv.tir.mla`` (``spec``
+    an :class:`~tvmkv.tir.spec.MlaSpec`; the options below do not apply); "interop" the foreign-layout
+    copies of
     ``tvmkv.tir.interop`` (``rope_mode``, ``sliding`` and ``local`` do not apply to it). ``local``
     adds the per-layer sliding window kernels (``tvmkv.tir.kernel_set``), in a library of its own.
     """

@@ -70,3 +70,92 @@ class KernelSpec:
     def tag(self) -> str:
         """Readable part of artifact names, e.g. ``q32_kv8_d128_p16_float16``."""
         return f"q{self.num_qo_heads}_kv{self.num_kv_heads}_d{self.head_dim}_p{self.page_size}_{self.dtype}"
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """Static shape parameters of an MLA (multi-head latent attention, DeepSeek-V2) kernel set.
+
+    An MLA cache stores one vector of ``D = latent_dim + rope_dim`` per token and layer: the compressed
+    latent ``c`` (``D_v = latent_dim``) followed by the rotated key part ``k_pe`` (``D_r = rope_dim``);
+    see docs/layout.md ("MLA pages"). Runtime sizes (tokens, pages, batch) stay symbolic.
+
+    Parameters
+    ----------
+    num_heads : int
+        Query heads ``H`` (all read the same latent row of a token).
+    latent_dim : int
+        ``D_v`` (kv_lora_rank, e.g. 512): the output dim of absorbed attention, a multiple of 16 up to 1024.
+    rope_dim : int
+        ``D_r`` (qk_rope_head_dim, e.g. 64), a multiple of 16 up to 256.
+    page_size : int
+        ``P``, a power of two from 1 to 256.
+    dtype : str
+        Storage dtype of q/o and the pages: "float32", "float16" or "bfloat16".
+    target_kind : str
+        "llvm" (CPU) or "cuda".
+    self_qk_dim, self_v_dim : int
+        ``Dq`` and ``Dv2`` of the non-absorbed self attention of prefill (DeepSeek-V2: 192 and 128),
+        multiples of 16 up to 256; both 0 (the default) when the kernel set has no
+        ``ragged_attention_dv``.
+    """
+
+    num_heads: int
+    latent_dim: int
+    rope_dim: int
+    page_size: int
+    dtype: str
+    target_kind: str
+    self_qk_dim: int = 0
+    self_v_dim: int = 0
+
+    def __post_init__(self):
+        for name in ("num_heads", "latent_dim", "rope_dim", "page_size", "self_qk_dim", "self_v_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative int")
+        for name in ("num_heads", "latent_dim", "rope_dim", "page_size"):
+            if getattr(self, name) == 0:
+                raise ValueError(f"{name}=0 must be positive")
+        if self.latent_dim % 16 or self.latent_dim > 1024:
+            raise ValueError(f"latent_dim={self.latent_dim} must be a multiple of 16 in [16, 1024]")
+        if self.rope_dim % 16 or self.rope_dim > 256:
+            raise ValueError(f"rope_dim={self.rope_dim} must be a multiple of 16 in [16, 256]")
+        if self.page_size > 256 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a power of two in [1, 256]")
+        if (self.self_qk_dim == 0) != (self.self_v_dim == 0):
+            raise ValueError(
+                f"self_qk_dim={self.self_qk_dim} and self_v_dim={self.self_v_dim}: give both (the self "
+                "attention's q/k and v head dims) or neither"
+            )
+        for name in ("self_qk_dim", "self_v_dim"):
+            value = getattr(self, name)
+            if value % 16 or value > 256:
+                raise ValueError(f"{name}={value} must be a multiple of 16 in [16, 256] (or 0 for none)")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+        if self.target_kind not in TARGET_KINDS:
+            raise ValueError(f"target_kind={self.target_kind!r} is not supported; use one of {TARGET_KINDS}")
+
+    @property
+    def head_dim(self) -> int:
+        """``D = latent_dim + rope_dim``: the stored vector per token, and the dim of q and the scores."""
+        return self.latent_dim + self.rope_dim
+
+    @property
+    def has_self_attention(self) -> bool:
+        """Whether ``self_qk_dim`` / ``self_v_dim`` are set (the set has ``ragged_attention_dv``)."""
+        return self.self_qk_dim > 0
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.target_kind == "llvm"
+
+    @property
+    def tag(self) -> str:
+        """Readable part of artifact names, e.g. ``mla_h128_c512_r64_p16_float16`` (``_s192x128`` with
+        self attention dims)."""
+        tag = f"mla_h{self.num_heads}_c{self.latent_dim}_r{self.rope_dim}_p{self.page_size}_{self.dtype}"
+        if self.has_self_attention:
+            tag += f"_s{self.self_qk_dim}x{self.self_v_dim}"
+        return tag

@@ -1,0 +1,866 @@
+# ruff: noqa: F821, F841
+# (each signature binds the buffers its body macros read by name, which ruff cannot see)
+"""Kernels of MLA caches (multi-head latent attention, DeepSeek-V2). See docs/layout.md ("MLA pages").
+
+An MLA layer stores one vector of ``D = D_v + D_r`` per token: the compressed latent (``D_v``,
+kv_lora_rank) followed by the rotated key part (``D_r``); ``pages: [num_pages, P, D]``, slots as for
+MHA (``slot = page_id * P + offset``). Kernels (TVM's names in parentheses):
+
+* ``mla_append`` (``kv_cache_transpose_append_mla``), ``mla_gather`` (``debug_get_kv_mla``),
+  ``mla_copy_page`` (``copy_single_page_mla``): data movement.
+* ``mla_attention`` (absorbed attention, TVM's MLA "cross attention"): every head of a query row
+  scores the whole stored row (``s_j = sm_scale * q . row_j``, all ``D`` dims) and averages its first
+  ``D_v`` dims (V is the latent). The page tables and ``kv_window`` are those of the MHA paged kernels;
+  ``causal`` is a runtime flag.
+* ``ragged_attention_dv``: the prefill's non-absorbed causal self attention among the new tokens,
+  with q/k head dim ``Dq`` and v head dim ``Dv2`` (DeepSeek-V2: 192 and 128).
+* ``merge_any``: TVM's ``merge_attn_output_inplace``, with every size symbolic.
+
+Schedules. llvm: ``T.parallel`` over work items; a key row is converted to fp32 once and used by all
+heads of the item. cuda ``mla_attention``: one thread block per (query row, ``HB`` heads); each tile
+of ``TK = 32`` latent rows is loaded into shared memory once (dynamic shared memory, rows padded so
+lane-per-key reads are conflict-free) and read by all ``HB`` heads: warp ``w`` owns ``HPW`` heads,
+lane ``c`` scores key ``c`` for each of them (register blocking over the heads), then the lanes
+spread over ``D_v`` and accumulate ``P V`` for the warp's heads. fp32 accumulation throughout. cuda
+``ragged_attention_dv``: one warp per (row, head), lane-per-key scores, then lanes over ``Dv2``.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ._kernel_common import LOG2E, MAX_THREADS, NOALIAS, WARP, macro
+from ._kernel_common import slots as state_slots
+from .spec import MlaSpec
+
+NEG_INF = float("-inf")
+CPU_VL = 8  # vector lanes of the CPU dot products (D is a multiple of 16)
+CPU_HEADS = 16  # heads per CPU work item (they share every key row)
+GPU_HEADS = 16  # heads per CUDA thread block of mla_attention (they share every latent tile)
+GPU_WARPS = 4  # warps per CUDA thread block of mla_attention
+TK = 32  # keys per tile of the cuda kernels (one per lane)
+KVEC = 4  # elements per vector load of a latent tile (8 bytes of fp16 / bf16, 16 of fp32)
+KPAD = 4  # padding elements per shared latent row: lane-per-key reads hit distinct banks
+QS_BYTES = 40 * 1024  # cap on the static shared memory of the block's fp32 queries
+MERGE_ROWS = 8  # (row, head) pairs per CUDA block of merge_any (one warp each)
+
+SEQ = state_slots("b", "lo", "hi")  # a row's sequence b; lo, hi: bounds of its binary search
+# keys of a query row: kv_len, base (first page entry), window (sink_end, window_start, offset), end
+KEYS = state_slots("kv_len", "base", "sink_end", "window_start", "window_offset", "end", "slot", "pos")
+SOFT = state_slots("s", "m_new", "alpha", "p")  # one score's online-softmax update
+MERGE = state_slots("la", "lb", "wa", "wb", "lse")  # merge_any: inputs, weights, merged lse
+
+
+def _attrs(spec: MlaSpec) -> dict:
+    """Function attributes: the no-alias promise on cuda only (as ``_kernel_common.func_attrs``)."""
+    return {NOALIAS: not spec.is_cpu}
+
+
+def _divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` that is at most ``cap``."""
+    return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
+
+
+def _row_threads(D: int) -> tuple:
+    """CUDA ``(threads, rounds)`` of a data-movement kernel that copies rows of ``D`` elements: one
+    block per row, ``threadIdx.x`` over the row in ``rounds`` passes."""
+    threads = min(MAX_THREADS, (D + WARP - 1) // WARP * WARP)
+    return threads, (D + threads - 1) // threads
+
+
+# ---------------------------------------------------------------------------------------------------
+# data movement
+# ---------------------------------------------------------------------------------------------------
+
+
+def mla_append_func(spec: MlaSpec, body):
+    """The ``mla_append`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads
+    the parameters of :func:`make_mla_append` by name (size ``n``)."""
+    D, P, dtype = spec.head_dim, spec.page_size, spec.dtype
+    attrs = _attrs(spec)
+
+    @T.prim_func
+    def mla_append(var_pages: T.handle, var_kv: T.handle, var_slots: T.handle):
+        T.func_attr(attrs)
+        num_pages = T.int32()
+        n = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, P, D), dtype)
+        kv = T.match_buffer(var_kv, (n, D), dtype)
+        slot = T.match_buffer(var_slots, (n,), "int32")
+        body()
+
+    return mla_append
+
+
+def make_mla_append(spec: MlaSpec):
+    """``mla_append(pages, kv, slots)``: write token ``i``'s row at ``slots[i]``; a negative slot skips it.
+
+    Parameters
+    ----------
+    pages : [num_pages, P, D], spec.dtype
+        The layer's MLA page pool, **written in place**: ``pages[s // P, s % P] = kv[i]`` for
+        ``s = slots[i] >= 0``.
+    kv : [n, D], spec.dtype
+        The new tokens' latent ``c`` (first ``D_v``) and rotated ``k_pe`` (last ``D_r``).
+    slots : [n], int32
+        ``page_id * P + offset`` of each token, or negative to skip it.
+    """
+    D, P = spec.head_dim, spec.page_size
+    TX, NR = _row_threads(D)
+
+    @macro
+    def cpu_body():
+        for i in T.parallel(n):
+            if slot[i] >= 0:
+                for d in T.vectorized(D):
+                    pages[slot[i] // P, slot[i] % P, d] = kv[i, d]
+
+    @macro
+    def gpu_body():
+        for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                for r in T.serial(NR):
+                    if i < n and r * TX + tx < D:
+                        if slot[i] >= 0:
+                            pages[slot[i] // P, slot[i] % P, r * TX + tx] = kv[i, r * TX + tx]
+
+    return mla_append_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+def mla_gather_func(spec: MlaSpec, body):
+    """The ``mla_gather`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads
+    the parameters of :func:`make_mla_gather` by name (size ``m``)."""
+    D, P, dtype = spec.head_dim, spec.page_size, spec.dtype
+    attrs = _attrs(spec)
+
+    @T.prim_func
+    def mla_gather(var_pages: T.handle, var_slots: T.handle, var_out: T.handle):
+        T.func_attr(attrs)
+        num_pages = T.int32()
+        m = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, P, D), dtype)
+        slot = T.match_buffer(var_slots, (m,), "int32")
+        out = T.match_buffer(var_out, (m, D), dtype)
+        body()
+
+    return mla_gather
+
+
+def make_mla_gather(spec: MlaSpec):
+    """``mla_gather(pages, slots, out)``: copy the rows at the given slots into a contiguous array.
+
+    Parameters
+    ----------
+    pages : [num_pages, P, D], spec.dtype
+        MLA page pool (read only).
+    slots : [m], int32
+        Slots to read; a negative slot yields zeros.
+    out : [m, D], spec.dtype
+        **Written**: ``out[e] = pages[slots[e] // P, slots[e] % P]``.
+    """
+    D, P, dtype = spec.head_dim, spec.page_size, spec.dtype
+    TX, NR = _row_threads(D)
+
+    @macro
+    def cpu_body():
+        for e in T.parallel(m):
+            if slot[e] >= 0:
+                for d in T.vectorized(D):
+                    out[e, d] = pages[slot[e] // P, slot[e] % P, d]
+            else:
+                for d in T.serial(D):  # serial: a vectorized bf16 constant store fails to legalize
+                    out[e, d] = T.cast(0, dtype)
+
+    @macro
+    def gpu_body():
+        for e in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                for r in T.serial(NR):
+                    if e < m and r * TX + tx < D:
+                        if slot[e] >= 0:
+                            out[e, r * TX + tx] = pages[slot[e] // P, slot[e] % P, r * TX + tx]
+                        else:
+                            out[e, r * TX + tx] = T.cast(0, dtype)
+
+    return mla_gather_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+def mla_copy_page_func(spec: MlaSpec, body):
+    """The ``mla_copy_page`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
+    reads the parameters of :func:`make_mla_copy_page` by name."""
+    D, P, dtype = spec.head_dim, spec.page_size, spec.dtype
+    attrs = _attrs(spec)
+
+    @T.prim_func
+    def mla_copy_page(var_pages: T.handle, src_page: T.int32, dst_page: T.int32, num_slots: T.int32):
+        T.func_attr(attrs)
+        num_pages = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, P, D), dtype)
+        body()
+
+    return mla_copy_page
+
+
+def make_mla_copy_page(spec: MlaSpec):
+    """``mla_copy_page(pages, src_page, dst_page, num_slots)``: copy slots ``[0, num_slots)`` of a page
+    (copy-on-write of a forked sequence's last page; the MLA twin of ``copy_page``).
+
+    Parameters
+    ----------
+    pages : [num_pages, P, D], spec.dtype
+        MLA page pool, **written in place**:
+        ``pages[dst_page, :num_slots] = pages[src_page, :num_slots]``.
+    src_page, dst_page : int32
+        Page ids (``src_page != dst_page``; the caller checks the range).
+    num_slots : int32
+        Slots to copy, ``0 <= num_slots <= P`` (larger values are clipped to ``P``).
+    """
+    D, P = spec.head_dim, spec.page_size
+    TX, NR = _row_threads(D)
+
+    @macro
+    def cpu_body():
+        for j in T.parallel(P):
+            if j < num_slots:
+                for d in T.vectorized(D):
+                    pages[dst_page, j, d] = pages[src_page, j, d]
+
+    @macro
+    def gpu_body():
+        for j in T.thread_binding(P, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                for r in T.serial(NR):
+                    if j < num_slots and r * TX + tx < D:
+                        pages[dst_page, j, r * TX + tx] = pages[src_page, j, r * TX + tx]
+
+    return mla_copy_page_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+# ---------------------------------------------------------------------------------------------------
+# merge of two attention states, any shape
+# ---------------------------------------------------------------------------------------------------
+
+
+def merge_any_func(spec: MlaSpec, body):
+    """The ``merge_any`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads
+    the parameters of :func:`make_merge_any` by name (sizes ``n``, ``H`` and ``Dm``, all symbolic)."""
+    dtype = spec.dtype
+    attrs = _attrs(spec)
+
+    @T.prim_func
+    def merge_any(var_o: T.handle, var_lse: T.handle, var_o2: T.handle, var_lse2: T.handle):
+        T.func_attr(attrs)
+        n = T.int32()
+        H = T.int32()
+        Dm = T.int32()
+        o = T.match_buffer(var_o, (n, H, Dm), dtype)
+        lse = T.match_buffer(var_lse, (n, H), "float32")
+        o2 = T.match_buffer(var_o2, (n, H, Dm), dtype)
+        lse2 = T.match_buffer(var_lse2, (n, H), "float32")
+        body()
+
+    return merge_any
+
+
+def make_merge_any(spec: MlaSpec):
+    """``merge_any(o, lse, o2, lse2)``: merge state 2 into state 1 **in place**, for any ``n``, ``H``
+    and ``Dm`` (only the dtype is static; TVM's ``merge_attn_output_inplace``).
+
+    docs/layout.md's rule in base 2: ``lse = log2(2^lse + 2^lse2)``,
+    ``o = o * 2^(lse_old - lse) + o2 * 2^(lse2 - lse)``, float32 math; a side with ``-inf`` contributes
+    nothing (its ``o`` is not read into the result); both ``-inf`` give ``o = 0``, ``lse = -inf``.
+
+    Parameters
+    ----------
+    o : [n, H, Dm], spec.dtype
+        State 1's output, **overwritten** with the merged output.
+    lse : [n, H], float32
+        State 1's base-2 log-sum-exp, **overwritten** with the merged one.
+    o2 : [n, H, Dm], spec.dtype
+        State 2's output (read only).
+    lse2 : [n, H], float32
+        State 2's base-2 log-sum-exp (read only).
+    """
+    dtype = spec.dtype
+    neg_inf = T.float32(NEG_INF)
+    RY = MERGE_ROWS
+
+    @macro
+    def weights(st):
+        # st[MERGE.la], st[MERGE.lb] read -> the weights of both sides and the merged lse
+        if T.max(st[MERGE.la], st[MERGE.lb]) == neg_inf:
+            st[MERGE.wa] = T.float32(0)
+            st[MERGE.wb] = T.float32(0)
+            st[MERGE.lse] = neg_inf
+        else:
+            st[MERGE.lse] = T.max(st[MERGE.la], st[MERGE.lb]) + T.log2(
+                T.exp2(st[MERGE.la] - T.max(st[MERGE.la], st[MERGE.lb]))
+                + T.exp2(st[MERGE.lb] - T.max(st[MERGE.la], st[MERGE.lb]))
+            )
+            st[MERGE.wa] = T.exp2(st[MERGE.la] - st[MERGE.lse])
+            st[MERGE.wb] = T.exp2(st[MERGE.lb] - st[MERGE.lse])
+
+    def merged(o, o2, st, i, h, d):
+        # parse-time helper: the merged element (i, h, d), in the output dtype
+        return T.cast(
+            T.if_then_else(st[MERGE.la] == neg_inf, T.float32(0), T.cast(o[i, h, d], "float32") * st[MERGE.wa])
+            + T.if_then_else(st[MERGE.lb] == neg_inf, T.float32(0), T.cast(o2[i, h, d], "float32") * st[MERGE.wb]),
+            dtype,
+        )
+
+    @macro
+    def cpu_body():
+        for ih in T.parallel(n * H):
+            st = T.alloc_buffer((len(MERGE),), "float32", scope="local")
+            st[MERGE.la] = lse[ih // H, ih % H]
+            st[MERGE.lb] = lse2[ih // H, ih % H]
+            weights(st)
+            for d in T.serial(Dm):
+                o[ih // H, ih % H, d] = merged(o, o2, st, ih // H, ih % H, d)
+            lse[ih // H, ih % H] = st[MERGE.lse]
+
+    @macro
+    def gpu_body():
+        # one warp per (row, head) pair: lanes over Dm
+        bx = T.launch_thread("blockIdx.x", T.max((n * H + RY - 1) // RY, 1))  # max: no empty grid
+        ty = T.launch_thread("threadIdx.y", RY)
+        tx = T.launch_thread("threadIdx.x", WARP)
+        st = T.alloc_buffer((len(MERGE),), "float32", scope="local")
+        ih = T.meta_var(bx * RY + ty)
+        if ih < n * H:
+            st[MERGE.la] = lse[ih // H, ih % H]
+            st[MERGE.lb] = lse2[ih // H, ih % H]
+            weights(st)
+            for r in T.serial((Dm + WARP - 1) // WARP):
+                if r * WARP + tx < Dm:
+                    o[ih // H, ih % H, r * WARP + tx] = merged(o, o2, st, ih // H, ih % H, r * WARP + tx)
+        T.tvm_storage_sync("shared")  # every lane has read lse[i, h] before it changes
+        if ih < n * H and tx == 0:
+            lse[ih // H, ih % H] = st[MERGE.lse]
+
+    return merge_any_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+# ---------------------------------------------------------------------------------------------------
+# absorbed attention over the latent pages
+# ---------------------------------------------------------------------------------------------------
+
+
+def mla_attention_func(spec: MlaSpec, body):
+    """The ``mla_attention`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
+    reads the parameters of :func:`make_mla_attention` by name (sizes ``n`` and ``B``)."""
+    H, D, Dv, P, dtype = spec.num_heads, spec.head_dim, spec.latent_dim, spec.page_size, spec.dtype
+    attrs = _attrs(spec)
+
+    @T.prim_func
+    def mla_attention(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_q_pos: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_indices: T.handle,
+        var_last_page_len: T.handle,
+        var_kv_window: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+        causal: T.int32,
+    ):
+        T.func_attr(attrs)
+        n = T.int32()
+        B = T.int32()
+        num_pages = T.int32()
+        nnz = T.int32()
+        q = T.match_buffer(var_q, (n, H, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (B + 1,), "int32")
+        q_pos = T.match_buffer(var_q_pos, (n,), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, P, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+        o = T.match_buffer(var_o, (n, H, Dv), dtype)
+        lse = T.match_buffer(var_lse, (n, H), "float32")
+        body()
+
+    return mla_attention
+
+
+def make_mla_attention(spec: MlaSpec):
+    """``mla_attention(q, q_indptr, q_pos, pages, page_indptr, page_indices, last_page_len, kv_window,
+    o, lse, sm_scale, causal)``: absorbed MLA attention of ragged query rows over the paged latent rows.
+
+    Row ``i`` of sequence ``b`` (``q_indptr[b] <= i < q_indptr[b + 1]``), head ``h``: over the visible
+    slots ``j`` of ``b`` (docs/layout.md, "Page tables", "Sliding window with attention sink"),
+    ``s_j = sm_scale * q[i, h] . row_j`` (all ``D`` dims), ``o[i, h] = sum_j softmax(s)_j row_j[:D_v]``,
+    ``lse[i, h] = log2(sum_j exp(s_j))``; no visible slot: ``o = 0``, ``lse = -inf``. Decode is
+    ``n == B`` with ``q_indptr = arange(B + 1)``.
+
+    Parameters
+    ----------
+    q : [n, H, D], spec.dtype
+        Absorbed queries (``q_nope`` times the latent up-projection, then ``q_pe``).
+    q_indptr : [B + 1], int32
+        Rows of each sequence.
+    q_pos : [n], int32
+        Position of each row (the causal mask).
+    pages : [num_pages, P, D], spec.dtype
+        MLA page pool (read only).
+    page_indptr, page_indices, last_page_len : [B + 1], [nnz], [B], int32
+        Page tables, including this forward's appended tokens.
+    kv_window : [B, 3], int32
+        ``(sink_end, window_start, window_pos_offset)`` per sequence; ``(0, 0, 0)`` for none.
+    o : [n, H, D_v], spec.dtype
+        **Written**: the output.
+    lse : [n, H], float32
+        **Written**: base-2 log-sum-exp.
+    sm_scale : float32
+        Score scale.
+    causal : int32
+        1: slot ``j`` is visible iff valid and ``pos(j) <= q_pos[i]``; 0: every valid slot.
+    """
+    H, D, Dv, P, dtype = spec.num_heads, spec.head_dim, spec.latent_dim, spec.page_size, spec.dtype
+    LOGP = P.bit_length() - 1
+    PMASK = P - 1
+    VL = CPU_VL
+    out_loop = T.serial if dtype == "bfloat16" else T.vectorized  # LLVM: no bf16 vector stores
+
+    @macro
+    def find_sequence(seq, i):
+        # seq[SEQ.b] = the last b with q_indptr[b] <= i (binary search)
+        seq[SEQ.lo] = 0
+        seq[SEQ.hi] = B
+        while seq[SEQ.hi] - seq[SEQ.lo] > 1:
+            if q_indptr[(seq[SEQ.lo] + seq[SEQ.hi]) // 2] <= i:
+                seq[SEQ.lo] = (seq[SEQ.lo] + seq[SEQ.hi]) // 2
+            else:
+                seq[SEQ.hi] = (seq[SEQ.lo] + seq[SEQ.hi]) // 2
+        seq[SEQ.b] = seq[SEQ.lo]
+
+    @macro
+    def key_range(kr, seq, i):
+        # kr[KEYS.*] of row i: the sequence's slots, window, and the end of the key scan
+        b = T.meta_var(seq[SEQ.b])
+        kr[KEYS.base] = page_indptr[b]
+        if page_indptr[b + 1] > page_indptr[b]:
+            kr[KEYS.kv_len] = (page_indptr[b + 1] - page_indptr[b] - 1) * P + last_page_len[b]
+        else:
+            kr[KEYS.kv_len] = 0
+        kr[KEYS.sink_end] = kv_window[b, 0]
+        kr[KEYS.window_start] = kv_window[b, 1]
+        kr[KEYS.window_offset] = kv_window[b, 2]
+        if causal != 0:
+            # last visible j: j <= q_pos in the sink, j + offset <= q_pos after it
+            kr[KEYS.end] = T.max(
+                T.min(
+                    kr[KEYS.kv_len],
+                    T.max(T.min(kr[KEYS.sink_end], q_pos[i] + 1), q_pos[i] - kr[KEYS.window_offset] + 1),
+                ),
+                0,
+            )
+        else:
+            kr[KEYS.end] = kr[KEYS.kv_len]
+
+    @macro
+    def key_slot(kr, i, j):
+        # kr[KEYS.slot] = slot of key j (< kr[KEYS.end]) of row i, or -1 when it is not visible
+        kr[KEYS.pos] = T.if_then_else(j < kr[KEYS.sink_end], j, j + kr[KEYS.window_offset])
+        if (j < kr[KEYS.sink_end] or j >= kr[KEYS.window_start]) and (causal == 0 or kr[KEYS.pos] <= q_pos[i]):
+            kr[KEYS.slot] = page_indices[kr[KEYS.base] + (j >> LOGP)] * P + (j & PMASK)
+        else:
+            kr[KEYS.slot] = -1
+
+    # ------------------------------------------------------------------ llvm
+    HC = _divisor_at_most(H, CPU_HEADS)  # heads per work item
+    NC = H // HC
+
+    @macro
+    def cpu_body():
+        for ic in T.parallel(n * NC):
+            seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
+            kr = T.alloc_buffer((len(KEYS),), "int32", scope="local")
+            Q = T.alloc_buffer((HC, D), "float32", scope="local")  # q * sm_scale * log2(e)
+            O = T.alloc_buffer((HC, Dv), "float32", scope="local")
+            Kt = T.alloc_buffer((D,), "float32", scope="local")  # the key row, fp32
+            acc = T.alloc_buffer((VL,), "float32", scope="local")
+            m = T.alloc_buffer((HC,), "float32", scope="local")
+            d_sum = T.alloc_buffer((HC,), "float32", scope="local")
+            st = T.alloc_buffer((len(SOFT),), "float32", scope="local")
+            i = T.meta_var(ic // NC)
+            h0 = T.meta_var(ic % NC * HC)
+            find_sequence(seq, i)
+            key_range(kr, seq, i)
+            for h in T.serial(HC):
+                m[h] = T.float32(NEG_INF)
+                d_sum[h] = T.float32(0)
+                for d in T.vectorized(D):
+                    Q[h, d] = T.Cast("float32", q[i, h0 + h, d]) * (sm_scale * T.float32(LOG2E))
+                for d in T.vectorized(Dv):
+                    O[h, d] = T.float32(0)
+            for j in T.serial(kr[KEYS.end]):
+                key_slot(kr, i, j)
+                if kr[KEYS.slot] >= 0:
+                    for d in T.vectorized(D):
+                        Kt[d] = T.Cast("float32", pages[kr[KEYS.slot] >> LOGP, kr[KEYS.slot] & PMASK, d])
+                    for h in T.serial(HC):
+                        for l in T.vectorized(VL):
+                            acc[l] = T.float32(0)
+                        for d0 in T.serial(D // VL):
+                            for l in T.vectorized(VL):
+                                acc[l] = acc[l] + Q[h, d0 * VL + l] * Kt[d0 * VL + l]
+                        st[SOFT.s] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+                        st[SOFT.m_new] = T.max(m[h], st[SOFT.s])
+                        st[SOFT.alpha] = T.exp2(m[h] - st[SOFT.m_new])
+                        st[SOFT.p] = T.exp2(st[SOFT.s] - st[SOFT.m_new])
+                        d_sum[h] = d_sum[h] * st[SOFT.alpha] + st[SOFT.p]
+                        m[h] = st[SOFT.m_new]
+                        for d in T.vectorized(Dv):
+                            O[h, d] = O[h, d] * st[SOFT.alpha] + st[SOFT.p] * Kt[d]
+            for h in T.serial(HC):
+                # no key seen: d == 0 -> o = 0, lse = -inf; a NaN d (NaN input) propagates
+                if d_sum[h] == T.float32(0):
+                    for d in out_loop(Dv):
+                        o[i, h0 + h, d] = T.Cast(dtype, T.float32(0))
+                    lse[i, h0 + h] = T.float32(NEG_INF)
+                else:
+                    for d in out_loop(Dv):
+                        o[i, h0 + h, d] = T.Cast(dtype, O[h, d] / d_sum[h])
+                    lse[i, h0 + h] = m[h] + T.log2(d_sum[h])
+
+    # ------------------------------------------------------------------ cuda
+    HB = _divisor_at_most(H, min(GPU_HEADS, max(1, QS_BYTES // (4 * D))))  # heads per block
+    NW = _divisor_at_most(HB, GPU_WARPS)  # warps per block
+    HPW = HB // NW  # heads per warp (register blocking of the scores and of O)
+    NBH = H // HB  # blocks per query row
+    NT = NW * WARP
+    KS = D + KPAD  # row stride of the shared latent tile
+    ebytes = 4 if dtype == "float32" else 2
+    TILE_WORDS = TK * KS * ebytes // 4
+    NDV = (Dv + WARP - 1) // WARP  # output elements per lane
+    NKV = D // KVEC  # vector loads per latent row
+
+    @macro
+    def gpu_body():
+        bx = T.launch_thread("blockIdx.x", T.max(n * NBH, 1))  # max: no empty grid when n == 0
+        ty = T.launch_thread("threadIdx.y", NW)
+        tx = T.launch_thread("threadIdx.x", WARP)
+        i = T.meta_var(bx // NBH)
+        h0 = T.meta_var(bx % NBH * HB)  # first head of the block
+        tid = T.meta_var(ty * WARP + tx)
+        # the latent tile, allocated as float32 words so kernels of different dtypes in one module
+        # declare the same ``extern __shared__`` array, and viewed in the cache dtype
+        tile_raw = T.alloc_buffer((TILE_WORDS,), "float32", scope="shared.dyn")
+        Ks = T.decl_buffer((TK, KS), dtype, data=tile_raw.data, scope="shared.dyn")
+        Qs = T.alloc_buffer((HB, D), "float32", scope="shared")  # q * sm_scale * log2(e)
+        Ps = T.alloc_buffer((HB, TK), "float32", scope="shared")  # probabilities of the tile
+        Kid = T.alloc_buffer((TK,), "int32", scope="shared")  # slot of each tile key, -1 = masked
+        seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
+        kr = T.alloc_buffer((len(KEYS),), "int32", scope="local")
+        kv = T.alloc_buffer((KVEC,), dtype, scope="local")
+        qv = T.alloc_buffer((KVEC,), "float32", scope="local")
+        S = T.alloc_buffer((HPW,), "float32", scope="local")
+        m = T.alloc_buffer((HPW,), "float32", scope="local")
+        d_sum = T.alloc_buffer((HPW,), "float32", scope="local")
+        alpha = T.alloc_buffer((HPW,), "float32", scope="local")
+        pr = T.alloc_buffer((HPW,), "float32", scope="local")
+        O = T.alloc_buffer((HPW, NDV), "float32", scope="local")
+        st = T.alloc_buffer((len(SOFT),), "float32", scope="local")
+        if i < n:
+            find_sequence(seq, i)
+            key_range(kr, seq, i)
+            for r in T.serial((HB * D + NT - 1) // NT):
+                if r * NT + tid < HB * D:
+                    Qs[(r * NT + tid) // D, (r * NT + tid) % D] = T.Cast(
+                        "float32", q[i, h0 + (r * NT + tid) // D, (r * NT + tid) % D]
+                    ) * (sm_scale * T.float32(LOG2E))
+        else:
+            kr[KEYS.end] = 0
+        for g in T.unroll(HPW):
+            m[g] = T.float32(NEG_INF)
+            d_sum[g] = T.float32(0)
+            for e in T.unroll(NDV):
+                O[g, e] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        for t in T.serial((kr[KEYS.end] + TK - 1) // TK):
+            # the tile's slots (warp 0), then its rows into shared memory (every thread)
+            if tid < TK:
+                Kid[tid] = -1
+                if t * TK + tid < kr[KEYS.end]:
+                    key_slot(kr, i, t * TK + tid)
+                    Kid[tid] = kr[KEYS.slot]
+            T.tvm_storage_sync("shared")
+            for r in T.serial((TK * NKV + NT - 1) // NT):
+                if r * NT + tid < TK * NKV:
+                    if Kid[(r * NT + tid) // NKV] >= 0:
+                        for v in T.vectorized(KVEC):
+                            Ks[(r * NT + tid) // NKV, (r * NT + tid) % NKV * KVEC + v] = pages[
+                                Kid[(r * NT + tid) // NKV] >> LOGP,
+                                Kid[(r * NT + tid) // NKV] & PMASK,
+                                (r * NT + tid) % NKV * KVEC + v,
+                            ]
+                    else:
+                        for v in T.serial(KVEC):
+                            Ks[(r * NT + tid) // NKV, (r * NT + tid) % NKV * KVEC + v] = T.Cast(dtype, T.float32(0))
+            T.tvm_storage_sync("shared")
+            # scores: lane tx = key tx of the tile, for the warp's HPW heads
+            for g in T.unroll(HPW):
+                S[g] = T.float32(0)
+            for d0 in T.serial(NKV):
+                for v in T.vectorized(KVEC):
+                    kv[v] = Ks[tx, d0 * KVEC + v]
+                for g in T.unroll(HPW):
+                    for v in T.vectorized(KVEC):
+                        qv[v] = Qs[ty * HPW + g, d0 * KVEC + v]
+                    for v in T.unroll(KVEC):
+                        S[g] = S[g] + qv[v] * T.Cast("float32", kv[v])
+            # online softmax of each head over the tile (warp-uniform)
+            for g in T.unroll(HPW):
+                st[SOFT.s] = T.if_then_else(Kid[tx] >= 0, S[g], T.float32(NEG_INF))
+                st[SOFT.m_new] = T.max(m[g], T.cuda.warp_reduce(st[SOFT.s], "max", WARP))
+                if st[SOFT.m_new] > T.float32(NEG_INF):
+                    alpha[g] = T.exp2(m[g] - st[SOFT.m_new])
+                    st[SOFT.p] = T.exp2(st[SOFT.s] - st[SOFT.m_new])
+                else:
+                    alpha[g] = T.float32(1)
+                    st[SOFT.p] = T.float32(0)
+                d_sum[g] = d_sum[g] * alpha[g] + T.cuda.warp_reduce(st[SOFT.p], "sum", WARP)
+                m[g] = st[SOFT.m_new]
+                Ps[ty * HPW + g, tx] = st[SOFT.p]
+            T.tvm_storage_sync("shared")
+            # O += P V: lanes over D_v, the warp's heads share every element of the tile
+            for g in T.unroll(HPW):
+                for e in T.unroll(NDV):
+                    O[g, e] = O[g, e] * alpha[g]
+            for c in T.serial(TK):
+                for g in T.unroll(HPW):
+                    pr[g] = Ps[ty * HPW + g, c]
+                for e in T.unroll(NDV):
+                    if e * WARP + tx < Dv:
+                        st[SOFT.s] = T.Cast("float32", Ks[c, e * WARP + tx])
+                        for g in T.unroll(HPW):
+                            O[g, e] = O[g, e] + pr[g] * st[SOFT.s]
+            T.tvm_storage_sync("shared")
+        if i < n:
+            for g in T.unroll(HPW):
+                for e in T.unroll(NDV):
+                    if e * WARP + tx < Dv:
+                        if d_sum[g] == T.float32(0):
+                            o[i, h0 + ty * HPW + g, e * WARP + tx] = T.Cast(dtype, T.float32(0))
+                        else:
+                            o[i, h0 + ty * HPW + g, e * WARP + tx] = T.Cast(dtype, O[g, e] / d_sum[g])
+                if tx == 0:
+                    if d_sum[g] == T.float32(0):
+                        lse[i, h0 + ty * HPW + g] = T.float32(NEG_INF)
+                    else:
+                        lse[i, h0 + ty * HPW + g] = m[g] + T.log2(d_sum[g])
+
+    return mla_attention_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+# ---------------------------------------------------------------------------------------------------
+# non-absorbed self attention of the prefill (q/k head dim != v head dim)
+# ---------------------------------------------------------------------------------------------------
+
+
+def ragged_attention_dv_func(spec: MlaSpec, body):
+    """The ``ragged_attention_dv`` PrimFunc of ``spec`` around ``body``, a macro without arguments,
+    which reads the parameters of :func:`make_ragged_attention_dv` by name (sizes ``n`` and ``B = B1 - 1``)."""
+    H, Dq, Dv, dtype = spec.num_heads, spec.self_qk_dim, spec.self_v_dim, spec.dtype
+    attrs = _attrs(spec)
+
+    @T.prim_func
+    def ragged_attention_dv(
+        var_q: T.handle,
+        var_k: T.handle,
+        var_v: T.handle,
+        var_q_indptr: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+    ):
+        T.func_attr(attrs)
+        n = T.int32()
+        B1 = T.int32()
+        q = T.match_buffer(var_q, (n, H, Dq), dtype)
+        k = T.match_buffer(var_k, (n, H, Dq), dtype)
+        v = T.match_buffer(var_v, (n, H, Dv), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (B1,), "int32")
+        o = T.match_buffer(var_o, (n, H, Dv), dtype)
+        lse = T.match_buffer(var_lse, (n, H), "float32")
+        B = T.meta_var(B1 - 1)
+        body()
+
+    return ragged_attention_dv
+
+
+def make_ragged_attention_dv(spec: MlaSpec):
+    """``ragged_attention_dv(q, k, v, q_indptr, o, lse, sm_scale)``: causal attention among the new
+    tokens of each sequence, q/k head dim ``Dq`` and v head dim ``Dv2`` (MLA prefill's self attention).
+
+    Row ``i`` of sequence ``b`` sees rows ``q_indptr[b] .. i`` (docs/layout.md, "Ragged queries",
+    causal mask); head ``h`` attends with k/v head ``h``. No RoPE inside.
+
+    Parameters
+    ----------
+    q, k : [n, H, Dq], spec.dtype
+    v : [n, H, Dv2], spec.dtype
+    q_indptr : [B + 1], int32
+    o : [n, H, Dv2], spec.dtype, **written**
+    lse : [n, H], float32, **written** (base 2)
+    sm_scale : float32
+    """
+    if not spec.has_self_attention:
+        raise ValueError(f"{spec.tag} has no self attention dims; give MlaSpec(self_qk_dim=..., self_v_dim=...)")
+    H, Dq, Dv, dtype = spec.num_heads, spec.self_qk_dim, spec.self_v_dim, spec.dtype
+    VL = CPU_VL
+    out_loop = T.serial if dtype == "bfloat16" else T.vectorized
+
+    @macro
+    def find_sequence(seq, i):
+        seq[SEQ.lo] = 0
+        seq[SEQ.hi] = B
+        while seq[SEQ.hi] - seq[SEQ.lo] > 1:
+            if q_indptr[(seq[SEQ.lo] + seq[SEQ.hi]) // 2] <= i:
+                seq[SEQ.lo] = (seq[SEQ.lo] + seq[SEQ.hi]) // 2
+            else:
+                seq[SEQ.hi] = (seq[SEQ.lo] + seq[SEQ.hi]) // 2
+        seq[SEQ.b] = seq[SEQ.lo]
+
+    @macro
+    def cpu_body():
+        for ih in T.parallel(n * H):
+            seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
+            Q = T.alloc_buffer((Dq,), "float32", scope="local")
+            O = T.alloc_buffer((Dv,), "float32", scope="local")
+            acc = T.alloc_buffer((VL,), "float32", scope="local")
+            st = T.alloc_buffer((len(SOFT) + 2,), "float32", scope="local")  # + running max, sum
+            i = T.meta_var(ih // H)
+            h = T.meta_var(ih % H)
+            mm = T.meta_var(len(SOFT))
+            ds = T.meta_var(len(SOFT) + 1)
+            find_sequence(seq, i)
+            for d in T.vectorized(Dq):
+                Q[d] = T.Cast("float32", q[i, h, d]) * (sm_scale * T.float32(LOG2E))
+            for d in T.vectorized(Dv):
+                O[d] = T.float32(0)
+            st[mm] = T.float32(NEG_INF)
+            st[ds] = T.float32(0)
+            for j in T.serial(q_indptr[seq[SEQ.b]], i + 1):
+                for l in T.vectorized(VL):
+                    acc[l] = T.float32(0)
+                for d0 in T.serial(Dq // VL):
+                    for l in T.vectorized(VL):
+                        acc[l] = acc[l] + Q[d0 * VL + l] * T.Cast("float32", k[j, h, d0 * VL + l])
+                st[SOFT.s] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+                st[SOFT.m_new] = T.max(st[mm], st[SOFT.s])
+                st[SOFT.alpha] = T.exp2(st[mm] - st[SOFT.m_new])
+                st[SOFT.p] = T.exp2(st[SOFT.s] - st[SOFT.m_new])
+                st[ds] = st[ds] * st[SOFT.alpha] + st[SOFT.p]
+                st[mm] = st[SOFT.m_new]
+                for d in T.vectorized(Dv):
+                    O[d] = O[d] * st[SOFT.alpha] + st[SOFT.p] * T.Cast("float32", v[j, h, d])
+            if st[ds] == T.float32(0):
+                for d in out_loop(Dv):
+                    o[i, h, d] = T.Cast(dtype, T.float32(0))
+                lse[i, h] = T.float32(NEG_INF)
+            else:
+                for d in out_loop(Dv):
+                    o[i, h, d] = T.Cast(dtype, O[d] / st[ds])
+                lse[i, h] = st[mm] + T.log2(st[ds])
+
+    GB = _divisor_at_most(H, 4)  # heads (warps) per block
+    NQ = (Dq + WARP - 1) // WARP
+    NDV = (Dv + WARP - 1) // WARP
+
+    @macro
+    def gpu_body():
+        # block = (row i, GB heads); warp ty = head h; lane tx scores key t * 32 + tx, then lanes
+        # spread over Dv2 for P V
+        bx = T.launch_thread("blockIdx.x", T.max(n * (H // GB), 1))
+        ty = T.launch_thread("threadIdx.y", GB)
+        tx = T.launch_thread("threadIdx.x", WARP)
+        i = T.meta_var(bx // (H // GB))
+        h = T.meta_var(bx % (H // GB) * GB + ty)
+        Qs = T.alloc_buffer((GB, Dq), "float32", scope="shared")
+        Ps = T.alloc_buffer((GB, WARP), "float32", scope="shared")
+        seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
+        rng = T.alloc_buffer((2,), "int32", scope="local")  # first key row, number of keys
+        O = T.alloc_buffer((NDV,), "float32", scope="local")
+        st = T.alloc_buffer((len(SOFT) + 2,), "float32", scope="local")  # + running max, sum
+        mm = T.meta_var(len(SOFT))
+        ds = T.meta_var(len(SOFT) + 1)
+        rng[1] = 0
+        if i < n:
+            find_sequence(seq, i)
+            rng[0] = q_indptr[seq[SEQ.b]]
+            rng[1] = i - rng[0] + 1
+            for r in T.unroll(NQ):
+                if r * WARP + tx < Dq:
+                    Qs[ty, r * WARP + tx] = T.Cast("float32", q[i, h, r * WARP + tx]) * (sm_scale * T.float32(LOG2E))
+        for r in T.unroll(NDV):
+            O[r] = T.float32(0)
+        st[mm] = T.float32(NEG_INF)
+        st[ds] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        for t in T.serial((rng[1] + WARP - 1) // WARP):
+            st[SOFT.s] = T.float32(NEG_INF)
+            if t * WARP + tx < rng[1]:
+                st[SOFT.s] = T.float32(0)
+                for d in T.serial(Dq):
+                    st[SOFT.s] = st[SOFT.s] + Qs[ty, d] * T.Cast("float32", k[rng[0] + t * WARP + tx, h, d])
+            st[SOFT.m_new] = T.max(st[mm], T.cuda.warp_reduce(st[SOFT.s], "max", WARP))
+            if st[SOFT.m_new] > T.float32(NEG_INF):
+                st[SOFT.alpha] = T.exp2(st[mm] - st[SOFT.m_new])
+                st[SOFT.p] = T.exp2(st[SOFT.s] - st[SOFT.m_new])
+            else:
+                st[SOFT.alpha] = T.float32(1)
+                st[SOFT.p] = T.float32(0)
+            st[ds] = st[ds] * st[SOFT.alpha] + T.cuda.warp_reduce(st[SOFT.p], "sum", WARP)
+            st[mm] = st[SOFT.m_new]
+            Ps[ty, tx] = st[SOFT.p]
+            T.tvm_storage_sync("shared")
+            for r in T.unroll(NDV):
+                if r * WARP + tx < Dv:
+                    O[r] = O[r] * st[SOFT.alpha]
+                    for c in T.serial(WARP):
+                        if t * WARP + c < rng[1]:
+                            O[r] = O[r] + Ps[ty, c] * T.Cast("float32", v[rng[0] + t * WARP + c, h, r * WARP + tx])
+            T.tvm_storage_sync("shared")
+        if i < n:
+            for r in T.unroll(NDV):
+                if r * WARP + tx < Dv:
+                    if st[ds] == T.float32(0):
+                        o[i, h, r * WARP + tx] = T.Cast(dtype, T.float32(0))
+                    else:
+                        o[i, h, r * WARP + tx] = T.Cast(dtype, O[r] / st[ds])
+            if tx == 0:
+                if st[ds] == T.float32(0):
+                    lse[i, h] = T.float32(NEG_INF)
+                else:
+                    lse[i, h] = st[mm] + T.log2(st[ds])
+
+    return ragged_attention_dv_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the kernel set
+# ---------------------------------------------------------------------------------------------------
+
+
+def kernel_set(spec: MlaSpec) -> dict:
+    """Every kernel of an MLA cache configuration, by name: ``mla_append``, ``mla_attention``,
+    ``mla_gather``, ``mla_copy_page``, ``merge_any``, and ``ragged_attention_dv`` when ``spec`` has
+    self attention dims."""
+    if not isinstance(spec, MlaSpec):
+        raise TypeError(f"tvmkv.tir.mla.kernel_set takes an MlaSpec, got {type(spec).__name__}")
+    kernels = {
+        "mla_append": make_mla_append(spec),
+        "mla_attention": make_mla_attention(spec),
+        "mla_gather": make_mla_gather(spec),
+        "mla_copy_page": make_mla_copy_page(spec),
+        "merge_any": make_merge_any(spec),
+    }
+    if spec.has_self_attention:
+        kernels["ragged_attention_dv"] = make_ragged_attention_dv(spec)
+    return kernels
