@@ -84,12 +84,12 @@ def compile_llama(cfg: LlamaConfig, *, interface: str = "tvmkv", target: str = "
     model = TinyLlama(cfg, target_kind=target)
     mod, named_params = model.export_tvm(spec=spec)
     tgt = target_of(target, cuda_arch)
-    pipeline = _cuda_pipeline(tgt) if target == "cuda" else "default"
+    pipeline = cuda_pipeline(tgt) if target == "cuda" else "default"
     ex = tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     return ex, [name for name, _ in named_params]
 
 
-def _cuda_pipeline(target):
+def cuda_pipeline(target):
     """TVM's default CUDA Relax pipeline, with DLight's tensor-core matmul rule switched off.
 
     In apache-tvm 0.27 ``tensorize`` segfaults (shared/TENSORCORE.md), and DLight's ``gpu.Matmul``

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tvm import relax as rx
 from tvm.relax.frontend import nn
 
-from .builtins import ATTENTION_FUNC
+from .builtins import ATTENTION_FUNC, QUERY_POSITIONS_FUNC, SHARED_KV_FUNC
 
 
 class TvmkvKVCache(nn.Object):
@@ -47,3 +47,55 @@ class TvmkvKVCache(nn.Object):
         )
         out = nn.Tensor(_expr=rx.BlockBuilder.current().emit(call))
         return out.reshape(b, s, num_qo_heads, d)
+
+    def attention_with_shared_kv(
+        self, source_layer_id: int, q: nn.Tensor, current_k: nn.Tensor, current_v: nn.Tensor, sm_scale: float
+    ):
+        """Attend over layer ``source_layer_id``'s K/V, appending nothing (cross-layer KV sharing).
+
+        Same signature as TVM's ``PagedKVCache.attention_with_shared_kv``; calls the global
+        ``tvmkv.attention_with_shared_kv`` (:meth:`tvmkv.PagedAttentionKVCache.attention_with_shared_kv`).
+        The source layer's ``attention_with_fused_qkv`` must come first in the same forward.
+
+        Parameters
+        ----------
+        source_layer_id : int
+            The layer that owns the K/V (its per-layer window applies).
+        q : nn.Tensor
+            ``[b, s, H_qo, D]`` queries, as ``attention_with_fused_qkv`` takes them (rotated by the
+            cache when its ``rope_mode`` is "normal"/"inline").
+        current_k, current_v : nn.Tensor
+            ``[b, s, H_kv, D]``: the source layer's K/V of the new tokens (checked for shape only; the
+            source layer's pages hold them).
+        sm_scale : float
+
+        Returns
+        -------
+        nn.Tensor
+            ``[b, s, H_qo, D]`` attention output, same dtype as ``q``.
+        """
+        b, s, h_qo, d = q.shape
+        h_kv = current_k.shape[2]
+        call = rx.call_dps_packed(
+            SHARED_KV_FUNC,
+            [
+                self._expr,
+                rx.prim_value(source_layer_id),
+                rx.prim_value(float(sm_scale)),
+                q.reshape(b * s, h_qo, d)._expr,
+                current_k.reshape(b * s, h_kv, d)._expr,
+                current_v.reshape(b * s, h_kv, d)._expr,
+            ],
+            out_ty=rx.TensorType((b * s, h_qo, d), q.dtype),
+        )
+        out = nn.Tensor(_expr=rx.BlockBuilder.current().emit(call))
+        return out.reshape(b, s, h_qo, d)
+
+    def get_query_positions(self, total_length):
+        """``[total_length]`` int32 positions of the open forward's tokens (for RoPE in the model).
+
+        Same signature as TVM's ``PagedKVCache.get_query_positions``; calls the global
+        ``tvmkv.get_query_positions`` (:meth:`tvmkv.PagedAttentionKVCache.query_positions`).
+        """
+        call = rx.call_pure_packed(QUERY_POSITIONS_FUNC, self._expr, ty_args=rx.TensorType((total_length,), "int32"))
+        return nn.Tensor(_expr=rx.BlockBuilder.current().emit(call))
