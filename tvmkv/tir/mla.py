@@ -41,7 +41,7 @@ GPU_WARPS = 4  # warps per CUDA thread block of mla_attention
 TK = 32  # keys per tile of the cuda kernels (one per lane)
 KVEC = 4  # elements per vector load of a latent tile (8 bytes of fp16 / bf16, 16 of fp32)
 KPAD = 4  # padding elements per shared latent row: lane-per-key reads hit distinct banks
-QS_BYTES = 40 * 1024  # cap on the static shared memory of the block's fp32 queries
+QS_BYTES = 64 * 1024  # cap on the shared memory of the block's fp32 queries
 MERGE_ROWS = 8  # (row, head) pairs per CUDA block of merge_any (one warp each)
 
 SEQ = state_slots("b", "lo", "hi")  # a row's sequence b; lo, hi: bounds of its binary search
@@ -548,12 +548,15 @@ def make_mla_attention(spec: MlaSpec):
         i = T.meta_var(bx // NBH)
         h0 = T.meta_var(bx % NBH * HB)  # first head of the block
         tid = T.meta_var(ty * WARP + tx)
-        # the latent tile, allocated as float32 words so kernels of different dtypes in one module
-        # declare the same ``extern __shared__`` array, and viewed in the cache dtype
-        tile_raw = T.alloc_buffer((TILE_WORDS,), "float32", scope="shared.dyn")
-        Ks = T.decl_buffer((TK, KS), dtype, data=tile_raw.data, scope="shared.dyn")
-        Qs = T.alloc_buffer((HB, D), "float32", scope="shared")  # q * sm_scale * log2(e)
+        # one dynamic shared allocation (float32 words, so kernels of different dtypes in one module
+        # declare the same ``extern __shared__`` array): the latent tile, viewed in the cache dtype,
+        # then the block's queries. Static shared memory stays small: the runtime raises the block's
+        # limit past 48 KiB only for the dynamic part.
+        smem = T.alloc_buffer((TILE_WORDS + HB * D,), "float32", scope="shared.dyn")
+        Ks = T.decl_buffer((TK, KS), dtype, data=smem.data, scope="shared.dyn")
+        Qs = T.decl_buffer((HB, D), "float32", data=smem.data, elem_offset=TILE_WORDS, scope="shared.dyn")
         Ps = T.alloc_buffer((HB, TK), "float32", scope="shared")  # probabilities of the tile
+        # Qs: q * sm_scale * log2(e)
         Kid = T.alloc_buffer((TK,), "int32", scope="shared")  # slot of each tile key, -1 = masked
         seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
         kr = T.alloc_buffer((len(KEYS),), "int32", scope="local")
