@@ -278,3 +278,41 @@ def test_drop_in_globals(target):
     np.testing.assert_allclose(o_s.numpy(), want_o, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(l_s.numpy(), want_lse, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(merged[0].numpy(), want_o, atol=2e-5, rtol=1e-4)
+
+
+def test_local_layer_and_sliding_cache(target):
+    """A layer with a per-layer window: self and cross attend within it (NumPy); a cache built with
+    support_sliding_window reads only the history in a decode step too (TVM's rule)."""
+    rng = np.random.default_rng(5)
+    W = 3
+    cache = _cache(target, layer_windows=[W, 0])
+    cache.add_sequence(0)
+    cache.begin_forward([0], [6])
+    q, k, v = _rows(rng, 6, H_QO), _rows(rng, 6, H_KV), _rows(rng, 6, H_KV)
+    cache.attention_with_fused_qkv(0, np.concatenate([q, k, v], 1))
+    cache.end_forward()
+    cache.begin_forward([0], [4])
+    q2, k2, v2 = _rows(rng, 4, H_QO), _rows(rng, 4, H_KV), _rows(rng, 4, H_KV)
+    o_s, _ = cache.self_attention(0, q2, k2, v2)
+    o_c, _ = cache.cross_attention(0, q2)
+    cache.end_forward()
+    for i in range(4):
+        p = 6 + i
+        lo = p - W + 1
+        ks, vs = np.arange(6, p + 1), np.arange(max(lo, 0), 6)  # new keys / history keys in the window
+        want_s = _attend(q2[i : i + 1], [p], k2[ks[ks >= lo] - 6], v2[ks[ks >= lo] - 6], ks[ks >= lo])
+        np.testing.assert_allclose(o_s[i : i + 1], want_s[0], atol=2e-5, rtol=1e-4)
+        want_c = _attend(q2[i : i + 1], [p], k[vs], v[vs], vs) if len(vs) else (np.zeros((1, H_QO, D)), None)
+        np.testing.assert_allclose(o_c[i : i + 1], want_c[0], atol=2e-5, rtol=1e-4)
+
+    sw = _cache(target, support_sliding_window=True)
+    sw.add_sequence(0)
+    sw.begin_forward([0], [5])
+    q, k, v = _rows(rng, 5, H_QO), _rows(rng, 5, H_KV), _rows(rng, 5, H_KV)
+    sw.attention_with_fused_qkv(0, np.concatenate([q, k, v], 1))
+    sw.end_forward()
+    sw.begin_forward([0], [1])
+    q1 = _rows(rng, 1, H_QO)
+    o1, _ = sw.cross_attention(0, q1)  # a decode step, but the cache supports sliding windows: history only
+    sw.end_forward()
+    np.testing.assert_allclose(o1, _attend(q1, [5], k, v, np.arange(5))[0], atol=2e-5, rtol=1e-4)
