@@ -589,6 +589,8 @@ def test_abandoned_receives_free_their_pages():
     assert receiver.num_available_pages() == total and not recv.pending and receiver.sequence_ids() == []
     with pytest.raises(ValueError, match="no longer pending"):
         recv.commit()
+    with pytest.raises(ValueError, match="no longer pending"):
+        transfer.send_sequence(sender, 0, recv)
     with transfer.prepare_receive(receiver, 1, 6):  # leaving the block without commit aborts
         assert receiver.num_available_pages() == total - 2
     assert receiver.num_available_pages() == total

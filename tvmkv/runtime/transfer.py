@@ -25,7 +25,7 @@ Sequences with uncommitted token-tree nodes or a sliding window are refused (as 
 
 from __future__ import annotations
 
-from .checkpoint import ImportReservations, check_new_id, copy_pages, pending, plain_sequence
+from .checkpoint import ImportReservations, check_new_id, copy_pages, plain_sequence
 from .sequences import as_int, check_id
 
 __all__ = ["Receive", "check_compatible", "move_sequence", "prepare_receive", "send_sequence"]
@@ -148,9 +148,12 @@ def send_sequence(sender, seq_id, recv: Receive) -> None:
             f"reserved {recv.length}; prepare_receive with length={seq.length}"
         )
     sender.require_no_forward("send_sequence")
-    _, rec = pending(recv.cache, recv.seq_id)
-    if rec is not recv.record:  # a stale handle of an id that was received again
-        raise ValueError(f"the receive of sequence {recv.seq_id} is no longer pending")
+    if not recv.pending:
+        raise ValueError(
+            f"the receive of sequence {recv.seq_id} is no longer pending (committed, aborted, or the receiver was "
+            "cleared); prepare_receive again"
+        )
+    rec = recv.record
     # ---- validated
     for layer in range(sender.config.num_layers):
         copy_pages(sender, sender.pages[layer], seq.pages, recv.cache.pages[layer], rec.pages)
