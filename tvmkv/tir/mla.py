@@ -18,11 +18,13 @@ MHA (``slot = page_id * P + offset``). Kernels (TVM's names in parentheses):
 
 Schedules. llvm: ``T.parallel`` over work items; a key row is converted to fp32 once and used by all
 heads of the item. cuda ``mla_attention``: one thread block per (query row, ``HB`` heads); each tile
-of ``TK = 32`` latent rows is loaded into shared memory once (dynamic shared memory, rows padded so
-lane-per-key reads are conflict-free) and read by all ``HB`` heads: warp ``w`` owns ``HPW`` heads,
-lane ``c`` scores key ``c`` for each of them (register blocking over the heads), then the lanes
-spread over ``D_v`` and accumulate ``P V`` for the warp's heads. fp32 accumulation throughout. cuda
-``ragged_attention_dv``: one warp per (row, head), lane-per-key scores, then lanes over ``Dv2``.
+of ``TK = 32`` latent rows is copied into shared memory once (``cp.async``, double buffered: tile
+``t + 1`` is in flight while tile ``t`` is used; rows padded so lane-per-key reads are conflict-free)
+and read by all ``HB`` heads: warp ``w`` owns ``HPW`` heads, lane ``c`` scores key ``c`` for each of
+them (register blocking over the heads), then the lanes spread over ``D_v`` and accumulate ``P V``
+for the warp's heads. fp32 accumulation throughout; SIMT only (no tensor cores), and no split over
+the keys, so a decode of few sequences runs ``B * H / HB`` blocks. cuda ``ragged_attention_dv``: one
+warp per (row, head), lane-per-key scores, then lanes over ``Dv2``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ TK = 32  # keys per tile of the cuda kernels (one per lane)
 KVEC = 4  # elements per vector load of a latent tile (8 bytes of fp16 / bf16, 16 of fp32)
 KPAD = 4  # padding elements per shared latent row: lane-per-key reads hit distinct banks
 QS_BYTES = 64 * 1024  # cap on the shared memory of the block's fp32 queries
+SMEM_BYTES = 200 * 1024  # double-buffer the latent tiles when both fit in this much shared memory
 MERGE_ROWS = 8  # (row, head) pairs per CUDA block of merge_any (one warp each)
 
 SEQ = state_slots("b", "lo", "hi")  # a row's sequence b; lo, hi: bounds of its binary search
@@ -537,8 +540,40 @@ def make_mla_attention(spec: MlaSpec):
     KS = D + KPAD  # row stride of the shared latent tile
     ebytes = 4 if dtype == "float32" else 2
     TILE_WORDS = TK * KS * ebytes // 4
+    NS = 2 if (2 * TILE_WORDS + HB * D) * 4 <= SMEM_BYTES else 1  # tile stages (2: double buffered)
     NDV = (Dv + WARP - 1) // WARP  # output elements per lane
-    NKV = D // KVEC  # vector loads per latent row
+    NKV = D // KVEC  # vector copies per latent row
+    CP_BYTES = KVEC * ebytes
+    CP = "cp.async.cg.shared.global" if CP_BYTES == 16 else "cp.async.ca.shared.global"
+
+    @macro
+    def tile_slots(kr, Kid, Kvis, i, t, slot_stage):
+        # warp 0: slot (always a real slot of the sequence: keys past the end repeat the last key) and
+        # visibility of the keys of tile t, into stage slot_stage of Kid / Kvis
+        if tid < TK:
+            key_slot(kr, i, T.min(t * TK + tid, kr[KEYS.end] - 1))
+            Kvis[slot_stage, tid] = T.Cast("int32", t * TK + tid < kr[KEYS.end] and kr[KEYS.slot] >= 0)
+            Kid[slot_stage, tid] = page_indices[kr[KEYS.base] + (T.min(t * TK + tid, kr[KEYS.end] - 1) >> LOGP)] * P + (
+                T.min(t * TK + tid, kr[KEYS.end] - 1) & PMASK
+            )
+
+    @macro
+    def issue_tile(Ks, Kid, slot_stage, stage):
+        # cp.async of every row of a tile (slots in Kid[slot_stage]) into tile stage ``stage``
+        for r in T.serial((TK * NKV + NT - 1) // NT):
+            if r * NT + tid < TK * NKV:
+                T.ptx[CP](
+                    Ks.ptr_to([stage, (r * NT + tid) // NKV, (r * NT + tid) % NKV * KVEC]),
+                    pages.ptr_to(
+                        [
+                            Kid[slot_stage, (r * NT + tid) // NKV] >> LOGP,
+                            Kid[slot_stage, (r * NT + tid) // NKV] & PMASK,
+                            (r * NT + tid) % NKV * KVEC,
+                        ]
+                    ),
+                    CP_BYTES,
+                )
+        T.ptx["cp.async.commit_group"]()
 
     @macro
     def gpu_body():
@@ -549,15 +584,15 @@ def make_mla_attention(spec: MlaSpec):
         h0 = T.meta_var(bx % NBH * HB)  # first head of the block
         tid = T.meta_var(ty * WARP + tx)
         # one dynamic shared allocation (float32 words, so kernels of different dtypes in one module
-        # declare the same ``extern __shared__`` array): the latent tile, viewed in the cache dtype,
-        # then the block's queries. Static shared memory stays small: the runtime raises the block's
-        # limit past 48 KiB only for the dynamic part.
-        smem = T.alloc_buffer((TILE_WORDS + HB * D,), "float32", scope="shared.dyn")
-        Ks = T.decl_buffer((TK, KS), dtype, data=smem.data, scope="shared.dyn")
-        Qs = T.decl_buffer((HB, D), "float32", data=smem.data, elem_offset=TILE_WORDS, scope="shared.dyn")
+        # declare the same ``extern __shared__`` array): NS latent tiles, viewed in the cache dtype,
+        # then the block's queries (q * sm_scale * log2(e)). Static shared memory stays small: the
+        # runtime raises the block's limit past 48 KiB only for the dynamic part.
+        smem = T.alloc_buffer((NS * TILE_WORDS + HB * D,), "float32", scope="shared.dyn")
+        Ks = T.decl_buffer((NS, TK, KS), dtype, data=smem.data, scope="shared.dyn")
+        Qs = T.decl_buffer((HB, D), "float32", data=smem.data, elem_offset=NS * TILE_WORDS, scope="shared.dyn")
         Ps = T.alloc_buffer((HB, TK), "float32", scope="shared")  # probabilities of the tile
-        # Qs: q * sm_scale * log2(e)
-        Kid = T.alloc_buffer((TK,), "int32", scope="shared")  # slot of each tile key, -1 = masked
+        Kid = T.alloc_buffer((3, TK), "int32", scope="shared")  # slots of the keys of tiles t % 3
+        Kvis = T.alloc_buffer((3, TK), "int32", scope="shared")  # and whether each is visible
         seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
         kr = T.alloc_buffer((len(KEYS),), "int32", scope="local")
         kv = T.alloc_buffer((KVEC,), dtype, scope="local")
@@ -584,34 +619,34 @@ def make_mla_attention(spec: MlaSpec):
             d_sum[g] = T.float32(0)
             for e in T.unroll(NDV):
                 O[g, e] = T.float32(0)
+        # prologue: the slots of tiles 0 and 1, the rows of tile 0 in flight
+        if kr[KEYS.end] > 0:
+            tile_slots(kr, Kid, Kvis, i, 0, 0)
+            tile_slots(kr, Kid, Kvis, i, 1, 1)
         T.tvm_storage_sync("shared")
+        if kr[KEYS.end] > 0:
+            issue_tile(Ks, Kid, 0, 0)
         for t in T.serial((kr[KEYS.end] + TK - 1) // TK):
-            # the tile's slots (warp 0), then its rows into shared memory (every thread)
-            if tid < TK:
-                Kid[tid] = -1
-                if t * TK + tid < kr[KEYS.end]:
-                    key_slot(kr, i, t * TK + tid)
-                    Kid[tid] = kr[KEYS.slot]
+            # tile t + 1 in flight while tile t is used; the slots of tile t + 2 are looked up
+            if NS == 2:
+                if (t + 1) * TK < kr[KEYS.end]:
+                    issue_tile(Ks, Kid, (t + 1) % 3, (t + 1) % 2)
+                    T.ptx["cp.async.wait_group"](1)
+                else:
+                    T.ptx["cp.async.wait_group"](0)
+            else:
+                T.ptx["cp.async.wait_group"](0)
+            if (t + 2) * TK < kr[KEYS.end]:
+                tile_slots(kr, Kid, Kvis, i, t + 2, (t + 2) % 3)
             T.tvm_storage_sync("shared")
-            for r in T.serial((TK * NKV + NT - 1) // NT):
-                if r * NT + tid < TK * NKV:
-                    if Kid[(r * NT + tid) // NKV] >= 0:
-                        for v in T.vectorized(KVEC):
-                            Ks[(r * NT + tid) // NKV, (r * NT + tid) % NKV * KVEC + v] = pages[
-                                Kid[(r * NT + tid) // NKV] >> LOGP,
-                                Kid[(r * NT + tid) // NKV] & PMASK,
-                                (r * NT + tid) % NKV * KVEC + v,
-                            ]
-                    else:
-                        for v in T.serial(KVEC):
-                            Ks[(r * NT + tid) // NKV, (r * NT + tid) % NKV * KVEC + v] = T.Cast(dtype, T.float32(0))
-            T.tvm_storage_sync("shared")
+            ks = T.meta_var(t % NS)
+            ss = T.meta_var(t % 3)
             # scores: lane tx = key tx of the tile, for the warp's HPW heads
             for g in T.unroll(HPW):
                 S[g] = T.float32(0)
             for d0 in T.serial(NKV):
                 for v in T.vectorized(KVEC):
-                    kv[v] = Ks[tx, d0 * KVEC + v]
+                    kv[v] = Ks[ks, tx, d0 * KVEC + v]
                 for g in T.unroll(HPW):
                     for v in T.vectorized(KVEC):
                         qv[v] = Qs[ty * HPW + g, d0 * KVEC + v]
@@ -619,7 +654,7 @@ def make_mla_attention(spec: MlaSpec):
                         S[g] = S[g] + qv[v] * T.Cast("float32", kv[v])
             # online softmax of each head over the tile (warp-uniform)
             for g in T.unroll(HPW):
-                st[SOFT.s] = T.if_then_else(Kid[tx] >= 0, S[g], T.float32(NEG_INF))
+                st[SOFT.s] = T.if_then_else(Kvis[ss, tx] == 1, S[g], T.float32(NEG_INF))
                 st[SOFT.m_new] = T.max(m[g], T.cuda.warp_reduce(st[SOFT.s], "max", WARP))
                 if st[SOFT.m_new] > T.float32(NEG_INF):
                     alpha[g] = T.exp2(m[g] - st[SOFT.m_new])
@@ -631,19 +666,24 @@ def make_mla_attention(spec: MlaSpec):
                 m[g] = st[SOFT.m_new]
                 Ps[ty * HPW + g, tx] = st[SOFT.p]
             T.tvm_storage_sync("shared")
-            # O += P V: lanes over D_v, the warp's heads share every element of the tile
+            # O += P V: lanes over D_v, the warp's heads share every element of the tile; masked keys
+            # are skipped (their rows may hold anything, even NaN)
             for g in T.unroll(HPW):
                 for e in T.unroll(NDV):
                     O[g, e] = O[g, e] * alpha[g]
             for c in T.serial(TK):
-                for g in T.unroll(HPW):
-                    pr[g] = Ps[ty * HPW + g, c]
-                for e in T.unroll(NDV):
-                    if e * WARP + tx < Dv:
-                        st[SOFT.s] = T.Cast("float32", Ks[c, e * WARP + tx])
-                        for g in T.unroll(HPW):
-                            O[g, e] = O[g, e] + pr[g] * st[SOFT.s]
+                if Kvis[ss, c] == 1:
+                    for g in T.unroll(HPW):
+                        pr[g] = Ps[ty * HPW + g, c]
+                    for e in T.unroll(NDV):
+                        if e * WARP + tx < Dv:
+                            st[SOFT.s] = T.Cast("float32", Ks[ks, c, e * WARP + tx])
+                            for g in T.unroll(HPW):
+                                O[g, e] = O[g, e] + pr[g] * st[SOFT.s]
             T.tvm_storage_sync("shared")
+            if NS == 1:
+                if (t + 1) * TK < kr[KEYS.end]:
+                    issue_tile(Ks, Kid, (t + 1) % 3, 0)
         if i < n:
             for g in T.unroll(HPW):
                 for e in T.unroll(NDV):
