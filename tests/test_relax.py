@@ -185,10 +185,11 @@ def test_create_maps_tvm_arguments_and_rejects_what_tvmkv_lacks():
         (dict(v=32), "v_head_dim"),
         (dict(disagg=True), "disagg"),
         (dict(partition=[0, 1, 2]), "layer_partition"),
-        (dict(ext=tvm.runtime.tensor(np.ones(32, "float32"), tvm.cpu())), "longrope"),
     ]:
         with pytest.raises(NotImplementedError, match=match):
             override.cache_kwargs(*_create_args(**change))
+    with pytest.raises(ValueError, match="longrope"):  # extension factors without TvmBuiltinOverride(rope_scaling=)
+        override.cache_kwargs(*_create_args(ext=tvm.runtime.tensor(np.ones(32, "float32"), tvm.cpu())))
 
 
 def test_attention_global_rejects_a_foreign_cache():

@@ -1,6 +1,8 @@
 """Compile kernel sets into ``build/<target>/`` and load them again without recompiling.
 
-One artifact per cache configuration: ``build/<target-dir>/kvcache_<tag>[_rope-<mode>][_sw][_local].so``
+One artifact per cache configuration:
+``build/<target-dir>/kvcache_<tag>[_rope-<mode>][_<rope variant>][_sw][_local].so`` (the variant:
+:attr:`tvmkv.tir.RopeScaling.tag`, e.g. ``yarn-r64-1a2b3c4d``; none for the default RoPE)
 next to its own ``<name>.json`` (configuration, target, TVM version, kernel names, hashes). A
 top-level ``build/<target-dir>/manifest.json`` lists every artifact of that directory; it is rewritten
 from the per-artifact jsons (under a file lock) whenever an artifact is written, so several processes
@@ -48,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .target import CUDA_ARCHS, default_cuda_arch, host_llvm_mcpu, make_target
+from .tir.rope_scaling import RopeScaling, kernel_variant
 from .tir.spec import KernelSpec, MlaSpec
 
 BUILD_DIR_ENV = "TVMKV_BUILD_DIR"
@@ -75,6 +78,7 @@ class BuildKey:
     arch: str | None = None  # CUDA only, e.g. "sm_90"
     family: str = "kvcache"  # one of FAMILY_MODULES; rope_mode/sliding/local only vary the kvcache family
     local: bool = False  # with the per-layer sliding window kernels (*_local)
+    rope_scaling: RopeScaling | None = None  # the RoPE variant (rope_mode "normal"); None: default RoPE
 
     def __post_init__(self):
         if self.family not in FAMILY_MODULES:
@@ -84,6 +88,18 @@ class BuildKey:
                 f"BuildKey family={self.family!r} with a {type(self.spec).__name__}: the mla family takes an "
                 "MlaSpec and every other family a KernelSpec"
             )
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            if not isinstance(rs, RopeScaling) or rs.rotary_dim is None or rs.is_default(self.spec.head_dim):
+                raise ValueError(
+                    f"BuildKey.rope_scaling={rs!r} must be a resolved, non-default RopeScaling "
+                    "(tvmkv.tir.rope_scaling.kernel_variant gives one, or None)"
+                )
+            if self.family != "kvcache" or self.rope_mode != "normal":
+                raise ValueError(
+                    f"BuildKey.rope_scaling applies to the kvcache family with rope_mode 'normal', not "
+                    f"{self.family}/{self.rope_mode}"
+                )
 
     @property
     def target_dir(self) -> str:
@@ -94,6 +110,8 @@ class BuildKey:
         parts = [self.family, self.spec.tag] if self.family != "mla" else [self.spec.tag]  # MlaSpec.tag: mla_...
         if self.rope_mode != "none":
             parts.append(f"rope-{self.rope_mode}")
+        if self.rope_scaling is not None:
+            parts.append(self.rope_scaling.tag)
         if self.sliding:
             parts.append("sw")
         if self.local:
@@ -459,7 +477,7 @@ class KernelLibrary:
 def _manifest(key: BuildKey, names) -> dict:
     import tvm
 
-    return {
+    out = {
         "schema": MANIFEST_SCHEMA,
         "name": key.name,
         "library": f"{key.name}.so",
@@ -476,6 +494,9 @@ def _manifest(key: BuildKey, names) -> dict:
         "sources_hash": sources_hash(key.family),
         "kernels": sorted(names),
     }
+    if key.rope_scaling is not None:
+        out["rope_scaling"] = key.rope_scaling.to_dict()
+    return out
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -529,7 +550,8 @@ def family_kernels(key: BuildKey) -> dict:
         from .tir import mla
 
         return mla.kernel_set(key.spec)
-    return tir.kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding, local=key.local)
+    variant = {"rope_scaling": key.rope_scaling} if key.rope_scaling is not None else {}  # default: as before
+    return tir.kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding, local=key.local, **variant)
 
 
 def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:
@@ -617,22 +639,30 @@ def load_kernels(
     build_dir: Path | str | None = None,
     family: str = "kvcache",
     local: bool = False,
+    rope_scaling=None,
+    rotary_dim: int | None = None,
 ) -> KernelLibrary:
     """Kernels for one configuration: from this process's cache, else ``build/``, else compiled.
 
     ``family`` "kvcache" is a cache's kernel set; "mla" the MLA kernels of ``tvmkv.tir.mla`` (``spec``
     an :class:`~tvmkv.tir.spec.MlaSpec`; the options below do not apply); "interop" the foreign-layout
     copies of
-    ``tvmkv.tir.interop`` (``rope_mode``, ``sliding`` and ``local`` do not apply to it). ``local``
-    adds the per-layer sliding window kernels (``tvmkv.tir.kernel_set``), in a library of its own.
+    ``tvmkv.tir.interop`` (``rope_mode``, ``sliding``, ``local`` and the RoPE variant do not apply to
+    it). ``local`` adds the per-layer sliding window kernels (``tvmkv.tir.kernel_set``), in a library
+    of its own. ``rope_scaling`` (None, TVM's dict or a :class:`~tvmkv.tir.RopeScaling`) and
+    ``rotary_dim``: the RoPE variant of ``split_rope``/``rope_q`` (rope mode "normal"; see
+    :func:`tvmkv.tir.rope_scaling.kernel_variant`), in a library of its own unless it is the default.
     """
     import tvm
 
     if spec.target_kind == "cuda" and arch is None:
         arch = default_cuda_arch()
     if family != "kvcache":
-        rope_mode, sliding, local = "none", False, False
-    key = BuildKey(spec, rope_mode, bool(sliding), arch if spec.target_kind == "cuda" else None, family, bool(local))
+        rope_mode, sliding, local, rope_scaling, rotary_dim = "none", False, False, None, None
+    variant = kernel_variant(rope_scaling, spec.head_dim, rope_mode, rotary_dim)
+    key = BuildKey(
+        spec, rope_mode, bool(sliding), arch if spec.target_kind == "cuda" else None, family, bool(local), variant
+    )
     lib = _LOADED.get(key)
     if lib is not None:
         STATS["memory_hits"] += 1
@@ -654,7 +684,7 @@ def clear_loaded() -> None:
 # ----------------------------------------------------------------------------------------------
 
 _SPEC_KEYS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")
-_CONFIG_KEYS = _SPEC_KEYS + ("rope_mode", "sliding", "local", "target", "arch", "family")
+_CONFIG_KEYS = _SPEC_KEYS + ("rope_mode", "sliding", "local", "target", "arch", "family", "rope_scaling", "rotary_dim")
 
 
 def expand_configs(entries, defaults: dict) -> list:
@@ -686,7 +716,15 @@ def expand_configs(entries, defaults: dict) -> list:
             arch = (c["arch"] or default_cuda_arch()) if c["target"] == "cuda" else None
             family = c.get("family", "kvcache")
             if family == "kvcache":
-                key = BuildKey(spec, c["rope_mode"], bool(c["sliding"]), arch, local=bool(c.get("local", False)))
+                variant = kernel_variant(c.get("rope_scaling"), spec.head_dim, c["rope_mode"], c.get("rotary_dim"))
+                key = BuildKey(
+                    spec,
+                    c["rope_mode"],
+                    bool(c["sliding"]),
+                    arch,
+                    local=bool(c.get("local", False)),
+                    rope_scaling=variant,
+                )
             else:
                 key = BuildKey(spec, "none", False, arch, family)
             if key not in keys:
@@ -718,6 +756,13 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="float16", help="float32, float16 or bfloat16 (default float16)")
     p.add_argument("--rope-mode", default="none", help="none, normal or inline (default none)")
+    p.add_argument(
+        "--rope-scaling",
+        type=json.loads,
+        default=None,
+        help='TVM\'s rope_scaling dict as JSON, e.g. \'{"rope_type": "gptj"}\' (rope mode normal; default none)',
+    )
+    p.add_argument("--rotary-dim", type=int, default=None, help="dims of a head that rotate (default: all)")
     p.add_argument("--sliding", action="store_true", help="the sliding-window/attention-sink variant")
     p.add_argument("--local", action="store_true", help="add the per-layer sliding window kernels (*_local)")
     p.add_argument(
@@ -756,6 +801,8 @@ def main(argv=None) -> int:
         "page_size": args.page_size,
         "dtype": args.dtype,
         "rope_mode": args.rope_mode,
+        "rope_scaling": args.rope_scaling,
+        "rotary_dim": args.rotary_dim,
         "sliding": args.sliding,
         "local": args.local,
         "family": args.family,
@@ -773,7 +820,7 @@ def main(argv=None) -> int:
         for key in keys:
             if key.arch is not None:
                 gencode_flags(key.arch)  # validate before spending minutes compiling
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, NotImplementedError) as err:
         print(f"tvmkv build: error: {err}", file=sys.stderr)
         return 2
     build_dir = args.build_dir or default_build_dir()

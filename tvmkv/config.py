@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .tir import ROPE_MODES
+from .tir.rope_scaling import RopeScaling, kernel_variant
 from .tir.spec import KernelSpec
 
 
@@ -15,7 +16,10 @@ class CacheConfig:
 
     ``num_pages`` defaults to enough pages for ``max_total_seq_len`` tokens plus one partially
     filled page per sequence of a full batch. ``decode_splits`` (``None``: automatic) caps how many
-    ways a decode step cuts its sequences (docs/layout.md, "Split decode").
+    ways a decode step cuts its sequences (docs/layout.md, "Split decode"). ``rope_scaling`` (None,
+    TVM's / Hugging Face's dict, or a :class:`tvmkv.tir.RopeScaling`) and ``rotary_dim`` (None: the
+    whole head) choose the RoPE variant of rope mode "normal" (docs/layout.md, "RoPE"); after
+    construction ``rope_scaling`` is always a RopeScaling and ``rotary_dim`` an int.
     """
 
     num_layers: int
@@ -36,6 +40,8 @@ class CacheConfig:
     num_pages: int | None = None
     decode_splits: int | None = None
     layer_windows: tuple = ()  # per-layer sliding window (0: full attention); () = every layer full
+    rope_scaling: RopeScaling | dict | None = None  # normalized to a resolved RopeScaling
+    rotary_dim: int | None = None  # normalized to the rotated dims (head_dim when all rotate)
 
     def __post_init__(self):
         for name in ("num_layers", "max_batch_size", "max_total_seq_len", "prefill_chunk_size"):
@@ -51,6 +57,10 @@ class CacheConfig:
             raise ValueError(f"rope_scale={self.rope_scale!r} must be a positive finite float")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta={self.rope_theta!r} must be a positive finite float")
+        rs = RopeScaling.parse(self.rope_scaling, rotary_dim=self.rotary_dim).resolved(self.head_dim)
+        object.__setattr__(self, "rope_scaling", rs)  # frozen: normalized once, here
+        object.__setattr__(self, "rotary_dim", rs.rotary_dim)
+        self.rope_variant  # raises for inline + a non-default variant, longrope without factors  # noqa: B018
         if self.num_pages is not None:
             if not isinstance(self.num_pages, int) or self.num_pages <= 0:
                 raise ValueError(f"num_pages={self.num_pages!r} must be a positive int or None")
@@ -83,6 +93,11 @@ class CacheConfig:
         return KernelSpec(
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.target_kind
         )
+
+    @property
+    def rope_variant(self) -> RopeScaling | None:
+        """The RoPE variant the kernels bake (``load_kernels``'s ``rope_scaling``); None: the default."""
+        return kernel_variant(self.rope_scaling, self.head_dim, self.rope_mode)
 
     @property
     def has_local_layers(self) -> bool:

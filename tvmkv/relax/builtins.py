@@ -24,6 +24,7 @@ import numpy as np
 import tvm_ffi
 
 from ..runtime.cache import PagedAttentionKVCache
+from ..tir.rope_scaling import RopeScaling
 
 ATTENTION_FUNC = "tvmkv.attention_with_fused_qkv"
 SHARED_KV_FUNC = "tvmkv.attention_with_shared_kv"
@@ -224,12 +225,20 @@ class TvmBuiltinOverride:
         Kernel build cache of the created caches (default :func:`tvmkv.build.default_build_dir`).
     cuda_arch : str, optional
         ``sm_XX`` of the kernels when the model runs on CUDA (default: the device's compute version).
+    rope_scaling : dict or tvmkv.tir.RopeScaling, optional
+        The ``rope_scaling`` dict the model passed to TVM's ``PagedKVCache`` (TVM bakes it into the
+        kernels it hands the create call, which tvmkv ignores, so it is given here); longrope's factors
+        come from the create call's ``rope_ext_factors`` tensor (or the dict's ``long_factor`` /
+        ``short_factor``). Default: the plain RoPE.
+    rotary_dim : int, optional
+        The model's ``rotary_dim`` (only the first ``rotary_dim`` dims of a head rotate); default all.
     """
 
-    def __init__(self, *, num_pages=None, build_dir=None, cuda_arch=None):
+    def __init__(self, *, num_pages=None, build_dir=None, cuda_arch=None, rope_scaling=None, rotary_dim=None):
         self.num_pages = num_pages
         self.build_dir = build_dir
         self.cuda_arch = cuda_arch
+        self.rope_scaling = RopeScaling.parse(rope_scaling, rotary_dim=rotary_dim)  # resolved at create
         self.created: list = []  # caches created while installed, newest last
         self._originals: dict | None = None
 
@@ -306,8 +315,11 @@ class TvmBuiltinOverride:
             raise NotImplementedError(f"qk_head_dim {qk_dim} != v_head_dim {v_dim}: tvmkv uses one head_dim")
         if bool(disagg):
             raise NotImplementedError("enable_disaggregation=True: disaggregated serving is not in tvmkv")
+        rope_scaling = self.rope_scaling
         if _is_tensor(ext):  # TVM treats anything but a tensor (None, 0) as "no extension factors"
-            raise NotImplementedError("rope_ext_factors (longrope) are not supported by tvmkv's RoPE kernels")
+            if int(rope) != 1:
+                raise ValueError(f"rope_ext_factors need rope_mode 1 (normal), got {rope} (TVM refuses it too)")
+            rope_scaling = rope_scaling.with_ext_factors(ext.numpy())
         partition = [int(x) for x in partition]
         if len(partition) != 2 or partition[0] != 0:
             raise NotImplementedError(f"layer_partition {partition}: tvmkv holds all layers in one stage")
@@ -337,6 +349,7 @@ class TvmBuiltinOverride:
             rope_mode=_ROPE_MODES[int(rope)],
             rope_scale=float(scale),
             rope_theta=float(theta),
+            rope_scaling=rope_scaling,
             support_sliding_window=bool(sliding),
             layer_windows=layer_windows,
             target=target,

@@ -74,6 +74,12 @@ class PagedAttentionKVCache:
         "none", "normal" (K stored rotated) or "inline" (K stored raw, rotated in the kernels).
     rope_scale, rope_theta : float
         RoPE angle = position * rope_scale / rope_theta ** (2 i / head_dim).
+    rope_scaling : dict or tvmkv.tir.RopeScaling, optional
+        TVM's (Hugging Face's) ``rope_scaling`` dict: ``rope_type`` "gptj", "llama3", "llama4",
+        "longrope" (with ``long_factor``/``short_factor``) or "yarn", applied as TVM applies it
+        (docs/layout.md, "RoPE"); rope mode "normal" only. Default: the plain RoPE.
+    rotary_dim : int, optional
+        Only the first ``rotary_dim`` dims of each head rotate (even, <= head_dim); default all.
     support_sliding_window : bool
         Build the sliding-window kernels (needed by ``enable_sliding_window_for_seq``).
     target : str or tvm.target.Target
@@ -114,6 +120,8 @@ class PagedAttentionKVCache:
         rope_mode="none",
         rope_scale=1.0,
         rope_theta=1e4,
+        rope_scaling=None,
+        rotary_dim=None,
         support_sliding_window=False,
         target="llvm",
         num_pages=None,
@@ -153,6 +161,8 @@ class PagedAttentionKVCache:
             rope_mode=rope_mode,
             rope_scale=float(rope_scale),
             rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rotary_dim=rotary_dim,
             support_sliding_window=bool(support_sliding_window),
             target_kind=kind,
             cuda_arch=arch,
@@ -187,6 +197,7 @@ class PagedAttentionKVCache:
             sliding=cfg.support_sliding_window,
             arch=cfg.cuda_arch,
             build_dir=build_dir,
+            rope_scaling=cfg.rope_scaling,
             **_local_option(cfg),
         )
         num_sms = device.multi_processor_count if cfg.target_kind == "cuda" else 0

@@ -15,7 +15,8 @@ Modules:
   ``decode_cuda`` (the fast CUDA schedules), ``prefill`` / ``ragged`` / ``decode`` (the factories,
   which pick the schedule; ``decode`` also holds the llvm split decode), ``decode_layout`` (the
   CUDA decode's static layout and :func:`split_granule`; no TVM import).
-* data movement: ``append``, ``rope`` (``split_rope``, ``rope_q``), ``merge`` (``merge_state``,
+* data movement: ``append``, ``rope`` (``split_rope``, ``rope_q``; their RoPE variants are described
+  by ``rope_scaling``'s :class:`RopeScaling`, plain Python), ``merge`` (``merge_state``,
   ``merge_splits``), ``page_ops`` (``copy_page``, ``compact_copy``, ``gather``, ``gather_pages``,
   ``scatter_pages``).
 * interop family (built lazily, not in :func:`kernel_set`): ``interop`` (copies to and from foreign
@@ -28,12 +29,15 @@ from __future__ import annotations
 
 from .decode_layout import split_granule
 from .foreign_layouts import LAYOUTS, foreign_shape
+from .rope_scaling import RopeScaling
 from .spec import KernelSpec
 
 ROPE_MODES = ("none", "normal", "inline")
 
 
-def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = False, local: bool = False) -> dict:
+def kernel_set(
+    spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = False, local: bool = False, rope_scaling=None
+) -> dict:
     """Every kernel one cache configuration needs, by name (the names ``tvmkv.runtime`` calls).
 
     ``rope_mode`` "normal" makes ``split_rope`` (and ``rope_q``) rotate q and k; "inline" makes the
@@ -41,16 +45,24 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
     variants; ``local`` adds ``paged_prefill_causal_local``, ``ragged_prefill_causal_local`` and
     ``paged_decode_local``, the per-layer sliding window variants (docs/layout.md, "Per-layer sliding
     window"; each takes its base kernel's arguments plus a trailing int32 ``layer_window``).
+    ``rope_scaling`` (a resolved :class:`tvmkv.tir.rope_scaling.RopeScaling`, with rope mode "normal"
+    only; None: the default RoPE over the whole head) is the RoPE variant ``split_rope`` and
+    ``rope_q`` bake in.
     """
     from . import append, decode, merge, page_ops, prefill, ragged, rope
 
     if rope_mode not in ROPE_MODES:
         raise ValueError(f"rope_mode={rope_mode!r} is not one of {ROPE_MODES}")
     inline = rope_mode == "inline"
+    if rope_scaling is not None and rope_mode != "normal":
+        raise NotImplementedError(
+            f"rope_scaling {rope_scaling.tag} with rope_mode={rope_mode!r}: RoPE variants are applied by split_rope "
+            "in rope_mode 'normal' only; use rope_mode='normal'"
+        )
     kernels = {
         "append": append.make_append(spec),
-        "split_rope": rope.make_split_rope(spec, rotate=rope_mode == "normal"),
-        "rope_q": rope.make_rope_q(spec, rotate=rope_mode == "normal"),
+        "split_rope": rope.make_split_rope(spec, rotate=rope_mode == "normal", rope_scaling=rope_scaling),
+        "rope_q": rope.make_rope_q(spec, rotate=rope_mode == "normal", rope_scaling=rope_scaling),
         "paged_prefill_none": prefill.make_paged_prefill(spec, mask="none", sliding=sliding, inline_rope=inline),
         "paged_prefill_causal": prefill.make_paged_prefill(spec, mask="causal", sliding=sliding, inline_rope=inline),
         "paged_prefill_tree": prefill.make_paged_prefill(spec, mask="tree", sliding=sliding, inline_rope=inline),
@@ -79,4 +91,4 @@ def kernel_set(spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = Fal
     return kernels
 
 
-__all__ = ["KernelSpec", "kernel_set", "ROPE_MODES", "split_granule", "LAYOUTS", "foreign_shape"]
+__all__ = ["KernelSpec", "RopeScaling", "kernel_set", "ROPE_MODES", "split_granule", "LAYOUTS", "foreign_shape"]

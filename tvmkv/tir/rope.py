@@ -6,13 +6,22 @@ Layouts and the RoPE convention (rotate-half over the whole head dim) are in doc
 ("RoPE", "Fused qkv"). :func:`rope_pair` is the rotation of one pair, at the frequency of
 :func:`tvmkv.tir._kernel_common.rope_inv_freq` (the formula the attention kernels with inline RoPE use).
 :func:`make_rope_q` prepares q alone the same way (attention over another layer's K/V).
+
+Both factories take a static ``rope_scaling`` (:class:`tvmkv.tir.rope_scaling.RopeScaling`, resolved:
+``rotary_dim`` set): a RoPE variant baked into the kernel as TVM bakes it into its split kernel
+(:func:`variant_angle`, :func:`rope_pair_variant`); ``None`` is the default RoPE over the whole head,
+whose kernels are the ones above, unchanged. longrope's extension factors are baked too (a constant
+lookup), so every variant keeps one signature.
 """
 
 from __future__ import annotations
 
+import math
+
 from tvm.script import tirx as T
 
 from ._kernel_common import func_attrs, heads_per_block, macro, rope_inv_freq
+from .rope_scaling import RopeScaling
 from .spec import KernelSpec
 
 
@@ -31,6 +40,220 @@ def rope_pair(x_lo, x_hi, pos, i, head_dim: int, rope_scale, rope_theta):
     c = T.cos(angle)
     s = T.sin(angle)
     return lo * c - hi * s, hi * c + lo * s
+
+
+def _table(values: tuple, j, lo: int = 0, hi: int | None = None):
+    """TIR float32 expression of ``values[j]`` for an int expression ``0 <= j < len(values)``: a
+    balanced tree of selects over baked constants (longrope's extension factors)."""
+    hi = len(values) if hi is None else hi
+    if hi - lo == 1:
+        return T.float32(values[lo])
+    mid = (lo + hi) // 2
+    return T.Select(j < mid, _table(values, j, lo, mid), _table(values, j, mid, hi))
+
+
+def variant_angle(rs: RopeScaling, e, pos, n, rope_scale, rope_theta):
+    """TIR float32 angle of rotated dim ``e`` (int expression, ``0 <= e < R``) at position ``pos``,
+    as TVM's split kernel computes it for ``rs`` (docs/layout.md, "RoPE"; NumPy: ``rs.inv_freq``).
+
+    ``s = pos * rope_scale``; ``n`` is the number of tokens of the call (longrope's long/short choice).
+    """
+    R = rs.rotary_dim
+    t = rs.rope_type
+    s = T.cast(pos, "float32") * rope_scale
+    if t in ("gptj", "llama4"):
+        expo = T.Cast("float32", 2 * (e // 2)) / T.float32(R)
+    else:
+        expo = T.Cast("float32", (2 * e) % R) / T.float32(R)
+    p = T.pow(rope_theta, expo)  # theta ** exponent
+    if t in ("default", "gptj"):
+        return s / p
+    if t == "longrope":
+        j = e % (R // 2)
+        L = rs.original_max_position_embeddings
+        ext = T.Select(n > L, _table(rs.long_factor, j), _table(rs.short_factor, j))
+        return s / (ext * p)
+    if t in ("llama3", "llama4"):
+        orig = T.float32(1) / p
+        lf, hf, L = rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings
+        if t == "llama4" and hf == lf:
+            wavelen = T.float32(2 * math.pi) / orig
+            return s * T.Select(wavelen > T.float32(L / lf), orig / T.float32(rs.factor), orig)
+        inv_diff = 1.0 / (hf - lf)
+        alpha, beta = L / (2 * math.pi) * inv_diff, lf * inv_diff
+        smooth = T.max(T.float32(0), T.min(T.float32(1), T.float32(alpha) * orig - T.float32(beta)))
+        return s * ((T.float32(1) - smooth) * orig * T.float32(1.0 / rs.factor) + smooth * orig)
+    # yarn: the ramp runs over the dim index e (TVM), between the correction range (low, high)
+    L = rs.original_max_position_embeddings
+    c_low = R * math.log(L / (rs.beta_fast * 2 * math.pi))
+    c_high = R * math.log(L / (rs.beta_slow * 2 * math.pi))
+    if rs.inv_theta_log_scale is not None:
+        low_f, high_f = rs.yarn_range(None, R)
+        low, high = T.float32(low_f), T.float32(high_f)
+    else:
+        ilts = T.float32(1) / (T.float32(2) * T.log(rope_theta))
+        low = T.max(T.float32(c_low) * ilts, T.float32(0))
+        high = T.min(T.float32(c_high) * ilts, T.float32(R - 1))
+        high = T.Select(low == high, high + T.float32(0.001), high)
+    mask = T.float32(1) - T.max(T.min((T.Cast("float32", e) - low) / (high - low), T.float32(1)), T.float32(0))
+    inv = T.float32(1) / (T.float32(rs.factor) * p) * (T.float32(1) - mask) + T.float32(1) / p * mask
+    return s * inv
+
+
+def rope_pair_variant(rs: RopeScaling, x_lo, x_hi, lo, hi, pos, n, rope_scale, rope_theta):
+    """TIR expressions ``(y[lo], y[hi])`` of the pair ``(lo, hi)`` of variant ``rs``, in float32.
+
+    Pairs are ``(j, j + R/2)`` (rotate-half) or ``(2 j, 2 j + 1)`` (gptj): ``y[lo] = m (x[lo] cos a_lo -
+    x[hi] sin a_lo)``, ``y[hi] = m (x[hi] cos a_hi + x[lo] sin a_hi)`` with ``a = variant_angle`` and
+    ``m = rs.magnitude``; ``a_hi = a_lo`` except for TVM's llama4 and yarn (docs/layout.md, "RoPE").
+    """
+    a_lo = variant_angle(rs, lo, pos, n, rope_scale, rope_theta)
+    a_hi = a_lo if rs.rope_type not in ("llama4", "yarn") else variant_angle(rs, hi, pos, n, rope_scale, rope_theta)
+    xl = T.cast(x_lo, "float32")
+    xh = T.cast(x_hi, "float32")
+    y_lo = xl * T.cos(a_lo) - xh * T.sin(a_lo)
+    y_hi = xh * T.cos(a_hi) + xl * T.sin(a_hi)
+    m = rs.magnitude
+    if m != 1.0:
+        y_lo, y_hi = y_lo * T.float32(m), y_hi * T.float32(m)
+    return y_lo, y_hi
+
+
+def _pair_index(rs: RopeScaling, j):
+    """Dims ``(lo, hi)`` of rotated pair ``j`` (``0 <= j < R/2``)."""
+    if rs.interleaved:
+        return 2 * j, 2 * j + 1
+    return j, j + rs.rotary_dim // 2
+
+
+def _check_variant(spec: KernelSpec, rs: RopeScaling) -> None:
+    if rs.rotary_dim is None or rs.rotary_dim > spec.head_dim:
+        raise ValueError(f"rope_scaling must be resolved for head_dim={spec.head_dim} (rotary_dim={rs.rotary_dim})")
+    if rs.rope_type == "longrope" and rs.long_factor is None:
+        raise ValueError("longrope kernels need long_factor/short_factor (RopeScaling.with_ext_factors)")
+
+
+def _variant_cpu_rows(rs: RopeScaling, D: int, dtype: str):
+    """Macro ``rows(src, src_h, dst, dst_h, i, pos_i, n)``: one head of token ``i``, rotated by variant
+    ``rs`` (dims ``< R``) and copied (the rest), on one CPU thread."""
+    R = rs.rotary_dim
+    R2 = R // 2
+    C = D - R
+
+    @macro
+    def rows(src, src_h, dst, dst_h, i, pos_i, n_tok):
+        for j in T.serial(R2):
+            ix = T.meta_var(_pair_index(rs, j))
+            y = T.meta_var(
+                rope_pair_variant(
+                    rs, src[i, src_h, ix[0]], src[i, src_h, ix[1]], ix[0], ix[1], pos_i, n_tok, rope_scale, rope_theta
+                )
+            )
+            dst[i, dst_h, ix[0]] = T.cast(y[0], dtype)
+            dst[i, dst_h, ix[1]] = T.cast(y[1], dtype)
+        if C > 0:
+            for c in T.serial(C):
+                dst[i, dst_h, R + c] = src[i, src_h, R + c]
+
+    return rows
+
+
+def _variant_gpu_lane(rs: RopeScaling, D: int, dtype: str):
+    """Macro ``lane(src, src_h, dst, dst_h, i, pos_i, n, d)``: lane ``d < D/2`` of one head of token
+    ``i``: rotated pair ``d`` when ``d < R/2``, and the copied dims ``R + d`` and ``R + D/2 + d``."""
+    R = rs.rotary_dim
+    R2 = R // 2
+    D2 = D // 2
+    C = D - R
+
+    @macro
+    def lane(src, src_h, dst, dst_h, i, pos_i, n_tok, d):
+        if d < R2:
+            ix = T.meta_var(_pair_index(rs, d))
+            y = T.meta_var(
+                rope_pair_variant(
+                    rs, src[i, src_h, ix[0]], src[i, src_h, ix[1]], ix[0], ix[1], pos_i, n_tok, rope_scale, rope_theta
+                )
+            )
+            dst[i, dst_h, ix[0]] = T.cast(y[0], dtype)
+            dst[i, dst_h, ix[1]] = T.cast(y[1], dtype)
+        if C > 0:
+            if d < C:
+                dst[i, dst_h, R + d] = src[i, src_h, R + d]
+        if C > D2:
+            if d + D2 < C:
+                dst[i, dst_h, R + D2 + d] = src[i, src_h, R + D2 + d]
+
+    return lane
+
+
+def _split_rope_variant(spec: KernelSpec, rs: RopeScaling):
+    """``split_rope`` rotating with variant ``rs`` (same signature as :func:`make_split_rope`)."""
+    _check_variant(spec, rs)
+    H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    H = spec.qkv_heads
+    D2 = D // 2
+    HY = heads_per_block(H, D2)
+    HB = (H + HY - 1) // HY
+    rows = _variant_cpu_rows(rs, D, dtype)
+    lane = _variant_gpu_lane(rs, D, dtype)
+
+    @macro
+    def cpu_body():
+        for i in T.parallel(n):
+            for h in T.serial(H_qo):
+                rows(qkv, h, q, h, i, pos[i], n)
+            for h in T.serial(H_kv):
+                rows(qkv, H_qo + h, k, h, i, pos[i], n)
+                for d in T.vectorized(D):
+                    v[i, h, d] = qkv[i, H_qo + H_kv + h, d]
+
+    @macro
+    def gpu_body():
+        for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
+            for hb in T.thread_binding(HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D2, thread="threadIdx.x"):
+                        h = T.meta_var(hb * HY + hy)
+                        if i < n and h < H:
+                            if h < H_qo:
+                                lane(qkv, h, q, h, i, pos[i], n, d)
+                            elif h < H_qo + H_kv:
+                                lane(qkv, h, k, h - H_qo, i, pos[i], n, d)
+                            else:
+                                v[i, h - H_qo - H_kv, d] = qkv[i, h, d]
+                                v[i, h - H_qo - H_kv, d + D2] = qkv[i, h, d + D2]
+
+    return split_rope_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+def _rope_q_variant(spec: KernelSpec, rs: RopeScaling):
+    """``rope_q`` rotating with variant ``rs`` (same signature as :func:`make_rope_q`)."""
+    _check_variant(spec, rs)
+    H_qo, D, dtype = spec.num_qo_heads, spec.head_dim, spec.dtype
+    D2 = D // 2
+    HY = heads_per_block(H_qo, D2)
+    HB = (H_qo + HY - 1) // HY
+    rows = _variant_cpu_rows(rs, D, dtype)
+    lane = _variant_gpu_lane(rs, D, dtype)
+
+    @macro
+    def cpu_body():
+        for i in T.parallel(n):
+            for h in T.serial(H_qo):
+                rows(q, h, q_out, h, i, q_pos[i], n)
+
+    @macro
+    def gpu_body():
+        for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
+            for hb in T.thread_binding(HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D2, thread="threadIdx.x"):
+                        h = T.meta_var(hb * HY + hy)
+                        if i < n and h < H_qo:
+                            lane(q, h, q_out, h, i, q_pos[i], n, d)
+
+    return rope_q_func(spec, cpu_body if spec.is_cpu else gpu_body)
 
 
 def split_rope_func(spec: KernelSpec, body):
@@ -62,7 +285,7 @@ def split_rope_func(spec: KernelSpec, body):
     return split_rope
 
 
-def make_split_rope(spec: KernelSpec, *, rotate: bool):
+def make_split_rope(spec: KernelSpec, *, rotate: bool, rope_scaling: RopeScaling | None = None):
     """``split_rope(qkv, pos, q, k, v, rope_scale, rope_theta)``: split fused qkv, rotating q and k.
 
     Parameters
@@ -78,8 +301,11 @@ def make_split_rope(spec: KernelSpec, *, rotate: bool):
     rope_scale, rope_theta : float32
         RoPE parameters (see :func:`rope_pair`); ignored when ``rotate`` is False.
 
-    With ``rotate`` False (rope modes "none" and "inline") the kernel only splits.
+    With ``rotate`` False (rope modes "none" and "inline") the kernel only splits. ``rope_scaling``
+    (resolved, see the module docstring): rotate with that variant instead of the default RoPE.
     """
+    if rotate and rope_scaling is not None:
+        return _split_rope_variant(spec, rope_scaling)
     H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     H = spec.qkv_heads
     D2 = D // 2
@@ -189,7 +415,7 @@ def rope_q_func(spec: KernelSpec, body):
     return rope_q
 
 
-def make_rope_q(spec: KernelSpec, *, rotate: bool):
+def make_rope_q(spec: KernelSpec, *, rotate: bool, rope_scaling: RopeScaling | None = None):
     """``rope_q(q, q_pos, q_out, rope_scale, rope_theta)``: q alone, prepared as :func:`make_split_rope`
     prepares it (for attention over another layer's K/V, which appends nothing).
 
@@ -206,8 +432,10 @@ def make_rope_q(spec: KernelSpec, *, rotate: bool):
         RoPE parameters (see :func:`rope_pair`); ignored when ``rotate`` is False.
 
     ``rotate``: rope mode "normal" (q rotated before attention); modes "none" and "inline" (the
-    attention kernels rotate q themselves) only copy.
+    attention kernels rotate q themselves) only copy. ``rope_scaling``: as :func:`make_split_rope`.
     """
+    if rotate and rope_scaling is not None:
+        return _rope_q_variant(spec, rope_scaling)
     H_qo, D, dtype = spec.num_qo_heads, spec.head_dim, spec.dtype
     D2 = D // 2
     HY = heads_per_block(H_qo, D2)
