@@ -25,9 +25,10 @@ CONFIGS = [
     ("float16", 8, 32, 16, 4, (32, 16)),
     ("bfloat16", 8, 32, 16, 16, (48, 32)),
     ("float32", 8, 32, 16, 16, (32, 16)),
+    ("bfloat16", 16, 64, 32, 4, (64, 32)),
     ("float16", 16, 512, 64, 16, (192, 128)),
 ]
-IDS = ["f16-p4", "bf16-p16", "f32-p16", "deepseek-f16"]
+IDS = ["f16-p4", "bf16-p16", "f32-p16", "bf16-h16-p4", "deepseek-f16"]  # cuda: the last two on tensor cores
 
 
 def _spec(target, cfg) -> MlaSpec:
@@ -273,8 +274,9 @@ def test_kernel_set_names():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_kernels_compile(tmp_path):
-    """The cuda MLA kernel sets (DeepSeek-V2's shape in bf16, a small fp16 one, fp32 with a large head
-    count) give CUDA source nvcc accepts for sm_80 and sm_90; runs without a GPU."""
+    """The cuda MLA kernel sets (DeepSeek-V2's shape in bf16: tensor-core mla_attention, plus its SIMT
+    schedule; a small fp16 one and fp32 with 24 heads: SIMT) give CUDA source nvcc accepts for sm_80
+    and sm_90; runs without a GPU."""
     from tvmkv.build import compile_funcs
     from tvmkv.tir import mla
 
@@ -284,8 +286,10 @@ def test_cuda_kernels_compile(tmp_path):
         MlaSpec(24, 512, 64, 1, "float32", "cuda"),
     ]
     funcs = {f"{name}_{k}": f for k, spec in enumerate(specs) for name, f in mla.kernel_set(spec).items()}
+    funcs["mla_attention_simt"] = mla.make_mla_attention(specs[0], tensor_cores=False)
+    assert mla.use_tensor_cores(specs[0]) and not any(mla.use_tensor_cores(s) for s in specs[1:])
     src = compile_funcs(funcs, "cuda", "sm_90").mod.imports[0].inspect_source()
-    assert all(f"{name}_kernel" in src for name in funcs)
+    assert all(f"{name}_kernel" in src for name in funcs) and "mma.sync.aligned.m16n8k16" in src
     path = tmp_path / "mla.cu"
     path.write_text(src)
     for arch in ("sm_80", "sm_90"):
