@@ -225,3 +225,27 @@ def test_per_layer_window_arguments():
     with pytest.raises(ValueError, match="token trees"):
         cache.begin_forward([0], [1], [-1])
     assert not cache.forward_open
+
+
+def test_shared_kv_uses_q_as_given_with_normal_rope():
+    """TVM's attention_with_shared_kv passes q to the kernel as given (the model rotated it under "normal"
+    RoPE); ``rotate_q=True`` rotates raw q first. Both equal NumPy attention with the rotated q over the
+    rotated keys."""
+    rng = np.random.default_rng(6)
+    cache = _cache(rope_mode="normal")
+    cache.add_sequence(0)
+    rows = rng.standard_normal((5, H_QO + 2 * H_KV, D)).astype(np.float32)
+    _step(cache, 0, rows)
+    cache.begin_forward([0], [1])
+    row = rng.standard_normal((1, H_QO + 2 * H_KV, D)).astype(np.float32)
+    cache.attention_with_fused_qkv(0, row)
+    q = rng.standard_normal((1, H_QO, D)).astype(np.float32)
+    q_rot = _rope(q.astype(np.float64), [5]).astype(np.float32)
+    given = cache.attention_with_shared_kv(0, q_rot, *_kv(1))
+    rotated_here = cache.attention_with_shared_kv(0, q, *_kv(1), rotate_q=True)
+    cache.end_forward()
+    k = np.concatenate([rows[:, H_QO : H_QO + H_KV], row[:, H_QO : H_QO + H_KV]]).astype(np.float64)
+    v = np.concatenate([rows[:, H_QO + H_KV :], row[:, H_QO + H_KV :]]).astype(np.float64)
+    want = _attend(q_rot[0].astype(np.float64), _rope(k, np.arange(6)), v)
+    np.testing.assert_allclose(given[0], want, atol=2e-5)
+    np.testing.assert_allclose(rotated_here[0], want, atol=2e-5)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .tir import ROPE_MODES
 from .tir.rope_scaling import RopeScaling, kernel_variant
-from .tir.spec import KernelSpec
+from .tir.spec import KernelSpec, MlaSpec
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,44 @@ class CacheConfig:
     layer_windows: tuple = ()  # per-layer sliding window (0: full attention); () = every layer full
     rope_scaling: RopeScaling | dict | None = None  # normalized to a resolved RopeScaling
     rotary_dim: int | None = None  # normalized to the rotated dims (head_dim when all rotate)
+    # MLA (DeepSeek-V2 latent attention; docs/layout.md "MLA pages"): kv_lora_rank > 0 makes every layer
+    # MLA: one kv head, head_dim = kv_lora_rank + qk_rope_head_dim; mla_self_dims = (Dq, Dv) of the
+    # prefill's self attention, () to infer them from its first call
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    mla_self_dims: tuple = ()
 
     def __post_init__(self):
         for name in ("num_layers", "max_batch_size", "max_total_seq_len", "prefill_chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        self.kernel_spec  # validates heads, head_dim, page_size, dtype, target  # noqa: B018
+        for name in ("kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
+        if self.mla_self_dims and (not isinstance(self.mla_self_dims, tuple) or len(self.mla_self_dims) != 2):
+            raise ValueError(f"mla_self_dims={self.mla_self_dims!r} must be () or a pair (qk_dim, v_dim)")
+        if self.is_mla:
+            self.mla_spec  # validates heads, dims, page_size, dtype, target  # noqa: B018
+            if self.num_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim:
+                raise ValueError(
+                    f"an MLA cache has num_kv_heads=1 and head_dim=kv_lora_rank + qk_rope_head_dim "
+                    f"({self.kv_lora_rank} + {self.qk_rope_head_dim}); got num_kv_heads={self.num_kv_heads}, "
+                    f"head_dim={self.head_dim}"
+                )
+            if self.rope_mode == "inline" or self.support_sliding_window or any(self.layer_windows):
+                raise ValueError(
+                    "MLA caches store the rotated k_pe as given (rope_mode 'none' or 'normal') and support no "
+                    "sliding windows (as in TVM)"
+                )
+        else:
+            if self.qk_rope_head_dim or self.mla_self_dims:
+                raise ValueError(
+                    f"qk_rope_head_dim={self.qk_rope_head_dim} / mla_self_dims={self.mla_self_dims!r} apply to MLA "
+                    "caches only: pass kv_lora_rank > 0 too"
+                )
+            self.kernel_spec  # validates heads, head_dim, page_size, dtype, target  # noqa: B018
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.rope_mode not in ROPE_MODES:
@@ -89,6 +120,26 @@ class CacheConfig:
             )
 
     @property
+    def is_mla(self) -> bool:
+        """Whether every layer is an MLA layer (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_spec(self) -> MlaSpec:
+        """The kernel spec of an MLA cache (``mla_self_dims`` included when given)."""
+        sq, sv = self.mla_self_dims or (0, 0)
+        return MlaSpec(
+            self.num_qo_heads,
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            self.page_size,
+            self.dtype,
+            self.target_kind,
+            self_qk_dim=sq,
+            self_v_dim=sv,
+        )
+
+    @property
     def kernel_spec(self) -> KernelSpec:
         return KernelSpec(
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.target_kind
@@ -117,6 +168,15 @@ class CacheConfig:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page in one layer (K and V)."""
+        """Bytes of one page in one layer (K and V; MLA: the latent rows)."""
         itemsize = 4 if self.dtype == "float32" else 2
+        if self.is_mla:
+            return self.page_size * self.head_dim * itemsize
         return 2 * self.num_kv_heads * self.page_size * self.head_dim * itemsize
+
+    @property
+    def page_shape(self) -> tuple:
+        """Shape of one layer's page array (docs/layout.md, "Pages", "MLA pages")."""
+        if self.is_mla:
+            return (self.total_pages, self.page_size, self.head_dim)
+        return (self.total_pages, 2, self.num_kv_heads, self.page_size, self.head_dim)

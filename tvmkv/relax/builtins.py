@@ -23,15 +23,22 @@ from typing import Any
 import numpy as np
 import tvm_ffi
 
+from ..runtime import checkpoint
 from ..runtime.cache import PagedAttentionKVCache
 from ..tir.rope_scaling import RopeScaling
 
 ATTENTION_FUNC = "tvmkv.attention_with_fused_qkv"
 SHARED_KV_FUNC = "tvmkv.attention_with_shared_kv"
 QUERY_POSITIONS_FUNC = "tvmkv.get_query_positions"
+# MLA (DeepSeek-V2) fine-grained attention of TvmkvKVCache: the cache's methods of the same names
+APPEND_MLA_FUNC = "tvmkv.append_mla_kv"
+SELF_ATTENTION_FUNC = "tvmkv.self_attention"
+CROSS_ATTENTION_FUNC = "tvmkv.cross_attention"
+MERGE_FUNC = "tvmkv.merge_attn_output"
 
 _ROPE_MODES = {0: "none", 1: "normal", 2: "inline"}
 _ATTN_KIND_MHA = 0  # tvm.relax.frontend.nn.llm.kv_cache.AttnKind.MHA
+_ATTN_KIND_MLA = 1  # AttnKind.MLA: one latent row per token (DeepSeek-V2)
 _ATTN_KIND_MHA_SLIDING = 3  # AttnKind.MHA_SLIDING: a layer attending within its own sliding window
 
 CREATE = "vm.builtin.paged_attention_kv_cache_create"
@@ -58,13 +65,23 @@ _SUPPORTED = (
     "vm.builtin.attention_kv_cache_self_attention",
     "vm.builtin.attention_kv_cache_cross_attention",
     "vm.builtin.attention_kv_cache_merge_attn_output_inplace",
+    "vm.builtin.attention_kv_cache_append_mla_kv",
+    "vm.builtin.attention_kv_cache_debug_get_kv_mla",
+    # checkpoints (tvmkv.runtime.checkpoint): TVM's page-group format, any sequence id
+    "vm.builtin.attention_kv_cache_get_checkpoint_metadata",
+    "vm.builtin.attention_kv_cache_get_layout_hash",
+    "vm.builtin.attention_kv_cache_export_page_group",
+    "vm.builtin.attention_kv_cache_prepare_import",
+    "vm.builtin.attention_kv_cache_import_page_group",
+    "vm.builtin.attention_kv_cache_finish_import",
 )
 
 # Functions of TVM's interface that tvmkv does not implement, and why (also in the README).
 UNSUPPORTED = {
-    "vm.builtin.attention_kv_cache_append_mla_kv": "MLA (one compressed KV head) is not in tvmkv",
-    "vm.builtin.kv_cache_disagg_prepare_recv": "disaggregated prefill/decode is not in tvmkv",
-    "vm.builtin.kv_cache_disagg_mark_send": "disaggregated prefill/decode is not in tvmkv",
+    "vm.builtin.kv_cache_disagg_prepare_recv": "TVM's disaggregation needs NVSHMEM; tvmkv moves a sequence "
+    "between caches with tvmkv.runtime.transfer (prepare_receive / send_sequence)",
+    "vm.builtin.kv_cache_disagg_mark_send": "TVM's disaggregation needs NVSHMEM; tvmkv moves a sequence "
+    "between caches with tvmkv.runtime.transfer (prepare_receive / send_sequence)",
 }
 
 
@@ -81,7 +98,9 @@ def _attention(cache, layer_id, sm_scale, qkv, out) -> None:
 def _attention_shared(cache, layer_id, sm_scale, q, k, v, out) -> None:
     """``tvmkv.attention_with_shared_kv(cache, source_layer_id, sm_scale, q, k, v, out)``: writes ``out``."""
     if not isinstance(cache, PagedAttentionKVCache):
-        raise TypeError(f"{SHARED_KV_FUNC} got a {type(cache).__name__} as its cache; pass a tvmkv.PagedAttentionKVCache")
+        raise TypeError(
+            f"{SHARED_KV_FUNC} got a {type(cache).__name__} as its cache; pass a tvmkv.PagedAttentionKVCache"
+        )
     cache.attention_with_shared_kv(layer_id, q, k, v, out=out, sm_scale=sm_scale)
 
 
@@ -94,12 +113,47 @@ def _query_positions_own(cache):
     return cache.query_positions()
 
 
+def _own_cache(cache: Any, name: str) -> PagedAttentionKVCache:
+    if not isinstance(cache, PagedAttentionKVCache):
+        raise TypeError(f"{name} got a {type(cache).__name__} as its cache; pass a tvmkv.PagedAttentionKVCache")
+    return cache
+
+
+def _append_mla_own(cache: Any, layer_id: int, kv: Any) -> PagedAttentionKVCache:
+    """``tvmkv.append_mla_kv(cache, layer_id, kv [n, D])``: returns the cache."""
+    return _own_cache(cache, APPEND_MLA_FUNC).append_mla_kv(layer_id, kv)
+
+
+def _self_attention_own(cache: Any, layer_id: int, sm_scale: float, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
+    """``tvmkv.self_attention(cache, layer_id, sm_scale, q, k, v, out, lse)``: writes ``out`` and ``lse``."""
+    _own_cache(cache, SELF_ATTENTION_FUNC).self_attention(layer_id, q, k, v, out, lse, sm_scale)
+
+
+def _cross_attention_own(cache: Any, layer_id: int, sm_scale: float, q: Any, out: Any, lse: Any) -> None:
+    """``tvmkv.cross_attention(cache, layer_id, sm_scale, q, out, lse)`` (TVM's include-new rule)."""
+    _own_cache(cache, CROSS_ATTENTION_FUNC).cross_attention(layer_id, q, out, lse, sm_scale)
+
+
+def _merge_own(cache: Any, o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, out: Any, lse_out: Any) -> None:
+    """``tvmkv.merge_attn_output(cache, o_a, lse_a, o_b, lse_b, out, lse_out)``: the merged state of
+    ``a`` and ``b`` into the fresh ``out``/``lse_out``; the inputs are not modified."""
+    _own_cache(cache, MERGE_FUNC)
+    out.copyfrom(o_a)
+    lse_out.copyfrom(lse_a)
+    cache.merge_attn_output_inplace(out, lse_out, o_b, lse_b)
+
+
 def register() -> None:
     """Register the ``tvmkv.*`` globals of :class:`tvmkv.relax.TvmkvKVCache` (idempotent): attention with
-    fused qkv, attention with shared KV, query positions. Call before constructing the VM."""
+    fused qkv, attention with shared KV, query positions, and MLA's append / self / cross attention /
+    merge. Call before constructing the VM."""
     tvm_ffi.register_global_func(ATTENTION_FUNC, _attention, override=True)
     tvm_ffi.register_global_func(SHARED_KV_FUNC, _attention_shared, override=True)
     tvm_ffi.register_global_func(QUERY_POSITIONS_FUNC, _query_positions_own, override=True)
+    tvm_ffi.register_global_func(APPEND_MLA_FUNC, _append_mla_own, override=True)
+    tvm_ffi.register_global_func(SELF_ATTENTION_FUNC, _self_attention_own, override=True)
+    tvm_ffi.register_global_func(CROSS_ATTENTION_FUNC, _cross_attention_own, override=True)
+    tvm_ffi.register_global_func(MERGE_FUNC, _merge_own, override=True)
 
 
 def cuda_target(arch: str | None):
@@ -126,6 +180,11 @@ def _debug_get_kv(cache: PagedAttentionKVCache, seq_id, start_pos, end_pos, k_da
     k, v = cache.debug_get_kv(seq_id, start_pos, end_pos)
     k_data.copyfrom(np.ascontiguousarray(k))
     v_data.copyfrom(np.ascontiguousarray(v))
+
+
+def _debug_get_kv_mla(cache: PagedAttentionKVCache, seq_id, start_pos, end_pos, kv_data):
+    """TVM's DebugGetKVMLA: fill ``kv_data`` ``[num_layers, end - start, qk_head_dim]`` in place."""
+    kv_data.copyfrom(np.ascontiguousarray(cache.debug_get_kv_mla(seq_id, start_pos, end_pos)))
 
 
 def _merge(cache: PagedAttentionKVCache, o_self, lse_self, o_cross, lse_cross):
@@ -171,7 +230,15 @@ def _impls() -> dict:
             lambda c, layer, sm_scale, q, o, lse: c.cross_attention(layer, q, o, lse, sm_scale)
         ),
         "vm.builtin.attention_kv_cache_merge_attn_output_inplace": _merge,
+        "vm.builtin.attention_kv_cache_append_mla_kv": C.append_mla_kv,
+        "vm.builtin.attention_kv_cache_debug_get_kv_mla": _debug_get_kv_mla,
         "vm.builtin.attention_kv_cache_get_query_positions": _query_positions,
+        "vm.builtin.attention_kv_cache_get_checkpoint_metadata": checkpoint.checkpoint_metadata,
+        "vm.builtin.attention_kv_cache_get_layout_hash": checkpoint.layout_hash,
+        "vm.builtin.attention_kv_cache_export_page_group": checkpoint.export_page_group,
+        "vm.builtin.attention_kv_cache_prepare_import": checkpoint.prepare_import,
+        "vm.builtin.attention_kv_cache_import_page_group": checkpoint.import_page_group,
+        "vm.builtin.attention_kv_cache_finish_import": checkpoint.finish_import,
     }
 
 
@@ -232,9 +299,15 @@ class TvmBuiltinOverride:
         ``short_factor``). Default: the plain RoPE.
     rotary_dim : int, optional
         The model's ``rotary_dim`` (only the first ``rotary_dim`` dims of a head rotate); default all.
+    mla_self_dims : (int, int), optional
+        ``(Dq, Dv)`` of an MLA model's prefill self attention (DeepSeek-V2: ``(192, 128)``), which TVM's
+        create call does not carry; default: inferred from the first ``self_attention`` call.
     """
 
-    def __init__(self, *, num_pages=None, build_dir=None, cuda_arch=None, rope_scaling=None, rotary_dim=None):
+    def __init__(
+        self, *, num_pages=None, build_dir=None, cuda_arch=None, rope_scaling=None, rotary_dim=None, mla_self_dims=None
+    ):
+        self.mla_self_dims = mla_self_dims
         self.num_pages = num_pages
         self.build_dir = build_dir
         self.cuda_arch = cuda_arch
@@ -288,9 +361,8 @@ class TvmBuiltinOverride:
     def cache_kwargs(self, *args) -> dict[str, Any]:
         """tvmkv constructor arguments from ``paged_attention_kv_cache_create``'s arguments.
 
-        Raises NotImplementedError for what tvmkv lacks: MLA attention kinds,
-        ``qk_head_dim != v_head_dim``, disaggregation, RoPE extension factors (longrope), several
-        pipeline stages.
+        Raises NotImplementedError for what tvmkv lacks: MLA layers mixed with other kinds,
+        ``qk_head_dim != v_head_dim`` outside MLA, disaggregation, several pipeline stages.
         """
         if len(args) < 13:
             raise TypeError(f"{CREATE} expects TVM 0.27's 28 arguments, got {len(args)}")
@@ -298,10 +370,25 @@ class TvmBuiltinOverride:
         sizes = [int(x) for x in sizes]
         max_batch, max_total, chunk, page_size, sliding = sizes[:5]
         kinds = [int(k) for k in kinds]
-        if any(k not in (_ATTN_KIND_MHA, _ATTN_KIND_MHA_SLIDING) for k in kinds):
+        mla: dict = {}
+        if _ATTN_KIND_MLA in kinds:
+            if any(k != _ATTN_KIND_MLA for k in kinds):
+                raise NotImplementedError(f"attention kinds {kinds}: MLA layers mixed with other kinds (TVM too)")
+            if int(hkv) != 1 or int(v_dim) >= int(qk_dim):
+                raise ValueError(
+                    f"an MLA cache has num_kv_heads 1 and qk_head_dim (kv_lora_rank + qk_rope_head_dim) > "
+                    f"v_head_dim (kv_lora_rank); got num_kv_heads {hkv}, qk_head_dim {qk_dim}, v_head_dim {v_dim}"
+                )
+            mla = dict(
+                kv_lora_rank=int(v_dim),
+                qk_rope_head_dim=int(qk_dim) - int(v_dim),
+                mla_self_dims=self.mla_self_dims,
+            )
+            v_dim = qk_dim  # one stored row per token: the checks below are MHA's
+        elif any(k not in (_ATTN_KIND_MHA, _ATTN_KIND_MHA_SLIDING) for k in kinds):
             raise NotImplementedError(
                 f"attention kinds {kinds} (0=MHA, 1=MLA, 3=per-layer sliding window): tvmkv supports MHA/GQA "
-                "layers with or without a per-layer sliding window"
+                "layers with or without a per-layer sliding window, or MLA layers"
             )
         layer_windows = None
         if _ATTN_KIND_MHA_SLIDING in kinds:
@@ -355,4 +442,5 @@ class TvmBuiltinOverride:
             target=target,
             num_pages=self.num_pages,
             build_dir=self.build_dir,
+            **mla,
         )

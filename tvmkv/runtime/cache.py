@@ -26,7 +26,7 @@ from ..target import parse_target
 from . import tensors
 from .decode_split import NO_SPLIT
 from .index_buffer import RING, IndexBuffers
-from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer, run_paged, run_ragged, run_shared
+from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer, run_paged, run_ragged
 from .pages import PageHolder, PagePool
 from .plan import PackedLayout, RepeatDecode, history_tables, plan_step
 from .sequences import SequenceInfo, SequenceTable, as_int, check_id
@@ -129,6 +129,9 @@ class PagedAttentionKVCache:
         decode_splits=None,
         layer_windows=None,
         build_dir=None,
+        kv_lora_rank=0,
+        qk_rope_head_dim=0,
+        mla_self_dims=None,
     ):
         kind, arch = parse_target(target)
         if memory_fraction is not None:
@@ -138,7 +141,16 @@ class PagedAttentionKVCache:
                 raise TypeError(f"memory_fraction={memory_fraction!r} must be a float in (0, 1]")
             if not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
-            probe = CacheConfig(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size=page_size, dtype=dtype)
+            probe = CacheConfig(
+                num_layers,
+                num_qo_heads,
+                num_kv_heads,
+                head_dim,
+                page_size=page_size,
+                dtype=dtype,
+                kv_lora_rank=kv_lora_rank,
+                qk_rope_head_dim=qk_rope_head_dim,
+            )
             budget = int(available_bytes(_device(kind)) * memory_fraction)
             num_pages = budget // (probe.page_bytes * num_layers)
             need = -(-max_total_seq_len // page_size)
@@ -169,8 +181,36 @@ class PagedAttentionKVCache:
             num_pages=num_pages,
             decode_splits=decode_splits,
             layer_windows=_windows(layer_windows, num_layers),
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            mla_self_dims=tuple(mla_self_dims or ()),
         )
         self._setup(config, build_dir)
+
+    @classmethod
+    def mla(cls, num_layers, num_heads, kv_lora_rank, qk_rope_head_dim, *, mla_self_dims=None, **options):
+        """An MLA cache (DeepSeek-V2 multi-head latent attention; docs/layout.md, "MLA pages"): each token
+        stores one vector per layer, its compressed latent (``kv_lora_rank``) followed by its rotated key
+        part (``qk_rope_head_dim``), appended with :meth:`append_mla_kv` and attended by
+        :meth:`cross_attention` (absorbed weights: q ``[n, num_heads, kv_lora_rank + qk_rope_head_dim]``,
+        output ``[n, num_heads, kv_lora_rank]``); :meth:`self_attention` runs the prefill's
+        non-absorbed attention among the new tokens (q/k ``[n, num_heads, Dq]``, v ``[n, num_heads, Dv]``,
+        ``mla_self_dims=(Dq, Dv)``, inferred from its first call when not given), and
+        :meth:`merge_attn_output_inplace` merges the two.
+
+        ``options`` are the keyword arguments of the constructor (page_size, dtype, target, capacity ...);
+        rope_mode "inline", sliding windows and per-layer windows do not apply to MLA (as in TVM).
+        """
+        return cls(
+            num_layers,
+            num_heads,
+            1,
+            kv_lora_rank + qk_rope_head_dim,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            mla_self_dims=mla_self_dims,
+            **options,
+        )
 
     @classmethod
     def from_config(cls, config: CacheConfig, *, build_dir=None) -> PagedAttentionKVCache:
@@ -191,19 +231,24 @@ class PagedAttentionKVCache:
         if cfg.target_kind == "cuda" and not device.exist:
             raise RuntimeError("target='cuda' but no CUDA device is present; use target='llvm'")
         _check_memory(cfg, device)
-        self.kernels = load_kernels(
-            cfg.kernel_spec,
-            rope_mode=cfg.rope_mode,
-            sliding=cfg.support_sliding_window,
-            arch=cfg.cuda_arch,
-            build_dir=build_dir,
-            rope_scaling=cfg.rope_scaling,
-            **_local_option(cfg),
-        )
+        self._mla = cfg.is_mla
+        self._build_dir = build_dir
+        self._mla_self: tuple | None = None  # MLA: ((Dq, Dv), kernels) when inferred from a first self_attention
+        if self._mla:
+            self.kernels = load_kernels(cfg.mla_spec, family="mla", arch=cfg.cuda_arch, build_dir=build_dir)
+        else:
+            self.kernels = load_kernels(
+                cfg.kernel_spec,
+                rope_mode=cfg.rope_mode,
+                sliding=cfg.support_sliding_window,
+                arch=cfg.cuda_arch,
+                build_dir=build_dir,
+                rope_scaling=cfg.rope_scaling,
+                **_local_option(cfg),
+            )
         num_sms = device.multi_processor_count if cfg.target_kind == "cuda" else 0
         self._launcher = Launcher(cfg, device, self.kernels, num_sms)
-        shape = (cfg.total_pages, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
-        zeros = np.zeros(shape, tensors.numpy_dtype(cfg.dtype))
+        zeros = np.zeros(cfg.page_shape, tensors.numpy_dtype(cfg.dtype))
         self.pages = [tvm.runtime.tensor(zeros, device) for _ in range(cfg.num_layers)]
         self.pool = PagePool(cfg.total_pages)
         self._table = SequenceTable(self.pool, cfg.page_size)
@@ -213,7 +258,8 @@ class PagedAttentionKVCache:
         arrays = PackedLayout.of(B, cfg.prefill_chunk_size, 1).page_indices_at
         self._index = IndexBuffers(device, arrays + -(-cfg.max_total_seq_len // cfg.page_size) + B)
         self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, device.dlpack_device_type()
-        self._default_sm_scale = cfg.head_dim**-0.5
+        # MLA: the scale of the non-absorbed q.k (qk_nope + rope dims), known once mla_self_dims are
+        self._default_sm_scale = cfg.mla_self_dims[0] ** -0.5 if cfg.mla_self_dims else cfg.head_dim**-0.5
         self._windows = cfg.layer_windows or (0,) * cfg.num_layers
         self._fwd: Forward | None = None
         self._step = 0  # forwards begun so far
@@ -568,6 +614,11 @@ class PagedAttentionKVCache:
         fwd = self._fwd
         if fwd is None:
             raise ForwardStateError("attention_with_fused_qkv called outside begin_forward/end_forward")
+        if self._mla:
+            raise TypeError(
+                "attention_with_fused_qkv on an MLA cache: append the latent with append_mla_kv and attend with "
+                "cross_attention (+ self_attention / merge_attn_output_inplace in a prefill)"
+            )
         layer = layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")
         if not 0 <= layer < cfg.num_layers:
             raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
@@ -587,7 +638,7 @@ class PagedAttentionKVCache:
         self._ran[layer] = self._step
         return self._deliver(o_dev, out, kind)
 
-    def attention_with_shared_kv(self, layer_id, q, k, v, out=None, sm_scale=None):
+    def attention_with_shared_kv(self, layer_id, q, k, v, out=None, sm_scale=None, *, rotate_q=False):
         """Attention of ``q`` over the K/V of layer ``layer_id`` (cross-layer KV sharing, e.g. Gemma-style
         models), appending nothing: ``layer_id``'s attention must already have run in this forward, so
         its pages hold this forward's tokens too. Its per-layer window (``layer_windows``) applies.
@@ -597,16 +648,22 @@ class PagedAttentionKVCache:
         layer_id : int
             The source layer, whose ``attention_with_fused_qkv`` ran in the open forward.
         q : array
-            ``[total_new_tokens, H_qo, D]`` raw queries (rotated here as ``split_rope`` would).
+            ``[total_new_tokens, H_qo, D]`` queries, used as given (TVM's rule: the model rotates them
+            with "normal" RoPE; "inline" RoPE rotates them inside the kernel).
         k, v : array
             ``[total_new_tokens, H_kv, D]``: the current tokens' K/V as TVM's builtin passes them;
             checked for shape and dtype only (the source layer's pages already hold them).
         out, sm_scale
             As for :meth:`attention_with_fused_qkv`.
+        rotate_q : bool
+            Rotate raw ``q`` here as ``split_rope`` rotates the fused path's q (kernel ``rope_q``; only
+            with rope_mode "normal" does it change anything), for models that leave RoPE to the cache.
         """
         cfg, fwd = self.config, self._fwd
         if fwd is None:
             raise ForwardStateError("attention_with_shared_kv called outside begin_forward/end_forward")
+        if self._mla:
+            raise TypeError("attention_with_shared_kv reads MHA pages; this is an MLA cache (as in TVM, MHA only)")
         layer = as_int(layer_id, "layer_id")
         if not 0 <= layer < cfg.num_layers:
             raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
@@ -624,15 +681,22 @@ class PagedAttentionKVCache:
             self._check_array(x, name, (n, cfg.num_kv_heads, cfg.head_dim))
         if out is not None:
             self._check_out(out, kind, "q", fwd.o_shape)
-        if "rope_q" not in self.kernels:
+        if not isinstance(rotate_q, bool):
+            raise TypeError(f"rotate_q={rotate_q!r} must be True or False")
+        if rotate_q and "rope_q" not in self.kernels:
             raise RuntimeError(
                 f"the kernel library {getattr(self.kernels, 'path', '')} has no rope_q (built before shared-KV "
                 "support); rebuild it (python -m tvmkv build ...)"
             )
         q_dev = tensors.to_device(q, kind, self.device)
         o_dev = self._output_buffer(out, kind, n)
-        shared = self._launcher.shared(fwd)
-        run_shared(fwd, shared, self.kernels["rope_q"], self.pages[layer], q_dev, o_dev, sm_scale, self._windows[layer])
+        lse, rope_scale, rope_theta = fwd.attn_end
+        if rotate_q:
+            q_rot = fwd.scratch["q"]
+            self.kernels["rope_q"](q_dev, fwd.dev["q_pos"], q_rot, rope_scale, rope_theta)
+            q_dev = q_rot
+        bound = self._launcher.shared(fwd)
+        run_paged(bound, self.pages[layer], q_dev, o_dev, lse, sm_scale, rope_scale, rope_theta, self._windows[layer])
         return self._deliver(o_dev, out, kind)
 
     # ------------------------------------------------------------------ fine-grained attention (TVM's)
@@ -668,6 +732,8 @@ class PagedAttentionKVCache:
         fwd = self._open_forward("self_attention")
         layer = self._layer(layer_id)
         sm_scale = self._sm_scale(sm_scale)
+        if self._mla:
+            return self._mla_self_attention(fwd, q, k, v, out, lse, sm_scale)
         n, D = fwd.total, cfg.head_dim
         kind = self._check_array(q, "q", (n, cfg.num_qo_heads, D))
         for x, name in ((k, "k"), (v, "v")):
@@ -724,6 +790,28 @@ class PagedAttentionKVCache:
         n = fwd.total
         shape = (n, cfg.num_qo_heads, cfg.head_dim)
         kind = self._check_array(q, "q", shape)
+        if self._mla:  # absorbed MLA: V is the latent part of each stored row
+            o_dev, lse_dev = self._outputs(out, lse, kind, (n, cfg.num_qo_heads, cfg.kv_lora_rank))
+            q_dev = tensors.to_device(q, kind, self.device)
+            d = fwd.dev
+            tables = (
+                self._history_tables(fwd)
+                if not include_new
+                else (d["page_indptr"], d["page_indices"], d["last_page_len"])
+            )
+            self.kernels["mla_attention"](
+                q_dev,
+                d["q_indptr"],
+                d["q_pos"],
+                self.pages[layer],
+                *tables,
+                d["kv_window"],
+                o_dev,
+                lse_dev,
+                sm_scale,
+                1,
+            )
+            return self._deliver(o_dev, out, kind), self._deliver(lse_dev, lse, kind)
         o_dev, lse_dev = self._outputs(out, lse, kind, shape)
         q_dev = tensors.to_device(q, kind, self.device)
         bound = self._launcher.paged(fwd, None if include_new else self._history_tables(fwd))
@@ -753,8 +841,11 @@ class PagedAttentionKVCache:
         cfg = self.config
         kind = tensors.array_kind(o)
         shape = tensors.describe(o, kind)[0]
-        if len(shape) != 3 or shape[1:] != (cfg.num_qo_heads, cfg.head_dim):
-            raise ValueError(f"o has shape {shape}; expected [n, {cfg.num_qo_heads}, {cfg.head_dim}]")
+        any_dim = "merge_any" in self.kernels  # MLA kernel sets merge any head dim
+        if len(shape) != 3 or shape[1] != cfg.num_qo_heads or not (any_dim or shape[2] == cfg.head_dim):
+            raise ValueError(
+                f"o has shape {shape}; expected [n, {cfg.num_qo_heads}, {'D' if any_dim else cfg.head_dim}]"
+            )
         n = shape[0]
         self._check_array(o, "o", shape)
         for x, name, want, dtype in (
@@ -768,10 +859,68 @@ class PagedAttentionKVCache:
             if kind == "numpy" and not x.flags.writeable:
                 raise ValueError(f"{name} is a read-only NumPy array; merge_attn_output_inplace writes it")
         o_dev, lse_dev, ob_dev, lb_dev = (tensors.to_device(x, kind, self.device) for x in (o, lse, o_other, lse_other))
-        self.kernels["merge_state"](o_dev, lse_dev, ob_dev, lb_dev)
+        self.kernels["merge_any" if any_dim else "merge_state"](o_dev, lse_dev, ob_dev, lb_dev)
         self._deliver(o_dev, o, kind)
         self._deliver(lse_dev, lse, kind)
         return o, lse
+
+    def append_mla_kv(self, layer_id, kv):
+        """Write the open forward's MLA rows into layer ``layer_id``'s pages (TVM's ``append_mla_kv``).
+
+        Parameters
+        ----------
+        layer_id : int
+            Layer in ``[0, num_layers)``.
+        kv : array
+            ``[total_new_tokens, kv_lora_rank + qk_rope_head_dim]`` of the cache dtype, tokens in
+            ``begin_forward`` order: each token's compressed latent, then its rotated key part.
+
+        Returns
+        -------
+        The cache (TVM's builtin returns it).
+        """
+        fwd = self._open_forward("append_mla_kv")
+        if not self._mla:
+            raise TypeError("append_mla_kv on an MHA cache: use attention_with_fused_qkv (MLA caches: .mla(...))")
+        layer = self._layer(layer_id)
+        kind = self._check_array(kv, "kv", (fwd.total, self.config.head_dim))
+        self.kernels["mla_append"](self.pages[layer], tensors.to_device(kv, kind, self.device), fwd.dev["slots"])
+        self._ran[layer] = self._step
+        return self
+
+    def _mla_self_attention(self, fwd: Forward, q, k, v, out, lse, sm_scale: float):
+        """MLA's non-absorbed self attention of a prefill (see :meth:`mla`)."""
+        import dataclasses
+
+        from ..build import load_kernels
+
+        cfg, n, H = self.config, fwd.total, self.config.num_qo_heads
+        if fwd.kernel == "paged_prefill_tree":
+            raise NotImplementedError("MLA self_attention in a token-tree forward is not supported (as in TVM)")
+        kind = tensors.array_kind(q)
+        qs, vs = tensors.describe(q, kind)[0], tensors.describe(v, tensors.array_kind(v))[0]
+        if len(qs) != 3 or len(vs) != 3:
+            raise ValueError(f"q {qs} and v {vs} must be [total_new_tokens, {H}, head dim]")
+        dims = cfg.mla_self_dims or (self._mla_self[0] if self._mla_self else (qs[2], vs[2]))
+        self._check_array(q, "q", (n, H, dims[0]))
+        for x, name, shape in ((k, "k", (n, H, dims[0])), (v, "v", (n, H, dims[1]))):
+            self._check_kind(x, name, kind, "q")
+            self._check_array(x, name, shape)
+        if cfg.mla_self_dims:
+            lib = self.kernels
+        else:  # inferred from the first call: its kernels are loaded (or built) once
+            if self._mla_self is None:
+                spec = dataclasses.replace(cfg.mla_spec, self_qk_dim=int(dims[0]), self_v_dim=int(dims[1]))
+                try:
+                    lib = load_kernels(spec, family="mla", arch=cfg.cuda_arch, build_dir=self._build_dir)
+                except ValueError as err:
+                    raise ValueError(f"MLA self attention with q/k dim {dims[0]}, v dim {dims[1]}: {err}") from None
+                self._mla_self = (dims, lib)
+            lib = self._mla_self[1]
+        o_dev, lse_dev = self._outputs(out, lse, kind, (n, H, dims[1]))
+        q_dev, k_dev, v_dev = (tensors.to_device(x, kind, self.device) for x in (q, k, v))
+        lib["ragged_attention_dv"](q_dev, k_dev, v_dev, fwd.dev["q_indptr"], o_dev, lse_dev, sm_scale)
+        return self._deliver(o_dev, out, kind), self._deliver(lse_dev, lse, kind)
 
     def _open_forward(self, what: str) -> Forward:
         if self._fwd is None:
@@ -837,6 +986,11 @@ class PagedAttentionKVCache:
 
     def _sm_scale(self, sm_scale) -> float:
         if sm_scale is None:
+            if self._mla and not self.config.mla_self_dims:
+                raise ValueError(
+                    "sm_scale=None on an MLA cache without mla_self_dims: pass sm_scale (DeepSeek-V2: "
+                    "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5)"
+                )
             return self._default_sm_scale
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating, np.integer)):
             raise TypeError(f"sm_scale={sm_scale!r} must be a float (e.g. head_dim ** -0.5) or None")
@@ -938,6 +1092,7 @@ class PagedAttentionKVCache:
         swapped out), ValueError (duplicate id), ForwardStateError (a forward is open).
         """
         self.require_no_forward("swap_out")
+        self._no_mla("swap_out")
         self._swap.swap_out(_id_list(seq_ids, "swap_out"), as_int(max_staging_bytes, "max_staging_bytes"))
 
     def swap_in(self, seq_ids, *, max_staging_bytes=DEFAULT_STAGING_BYTES) -> None:
@@ -949,6 +1104,7 @@ class PagedAttentionKVCache:
         (``needed`` / ``available`` pages).
         """
         self.require_no_forward("swap_in")
+        self._no_mla("swap_in")
         self._swap.swap_in(_id_list(seq_ids, "swap_in"), as_int(max_staging_bytes, "max_staging_bytes"))
 
     def is_swapped(self, seq_id) -> bool:
@@ -983,6 +1139,45 @@ class PagedAttentionKVCache:
         append order; after a sliding window dropped tokens, position ``i`` is the ``i``-th kept token, as
         in TVM); K is as stored (rotated when rope_mode is "normal").
         """
+        if self._mla:
+            raise TypeError("debug_get_kv on an MLA cache: use debug_get_kv_mla (one latent row per token)")
+        import tvm
+
+        flat = self._debug_slots(seq_id, start_pos, end_pos)
+        cfg = self.config
+        k = np.zeros((cfg.num_layers, len(flat), cfg.num_kv_heads, cfg.head_dim), tensors.numpy_dtype(cfg.dtype))
+        v = np.zeros_like(k)
+        if len(flat):
+            slots_dev = tvm.runtime.tensor(flat, self.device)
+            shape = (len(flat), cfg.num_kv_heads, cfg.head_dim)
+            for layer in range(cfg.num_layers):
+                kd = tvm.runtime.empty(shape, cfg.dtype, self.device)
+                vd = tvm.runtime.empty(shape, cfg.dtype, self.device)
+                self.kernels["gather"](self.pages[layer], slots_dev, kd, vd)
+                k[layer], v[layer] = kd.numpy(), vd.numpy()
+        return k, v
+
+    def debug_get_kv_mla(self, seq_id, start_pos=0, end_pos=None):
+        """The stored MLA rows (latent, then rotated key part) of tokens ``[start_pos, end_pos)`` of
+        ``seq_id`` as NumPy ``[num_layers, n, kv_lora_rank + qk_rope_head_dim]`` (TVM's
+        ``debug_get_kv_mla``)."""
+        if not self._mla:
+            raise TypeError("debug_get_kv_mla on an MHA cache: use debug_get_kv")
+        import tvm
+
+        flat = self._debug_slots(seq_id, start_pos, end_pos)
+        cfg = self.config
+        kv = np.zeros((cfg.num_layers, len(flat), cfg.head_dim), tensors.numpy_dtype(cfg.dtype))
+        if len(flat):
+            slots_dev = tvm.runtime.tensor(flat, self.device)
+            for layer in range(cfg.num_layers):
+                out = tvm.runtime.empty((len(flat), cfg.head_dim), cfg.dtype, self.device)
+                self.kernels["mla_gather"](self.pages[layer], slots_dev, out)
+                kv[layer] = out.numpy()
+        return kv
+
+    def _debug_slots(self, seq_id, start_pos, end_pos) -> np.ndarray:
+        """Flat int32 slots (page * P + offset) of kept tokens ``[start_pos, end_pos)`` of ``seq_id``."""
         seq = self._table.get(seq_id)
         end_pos = seq.length if end_pos is None else as_int(end_pos, "end_pos")
         start_pos = as_int(start_pos, "start_pos")
@@ -991,22 +1186,12 @@ class PagedAttentionKVCache:
         P = self.config.page_size
         pos = np.arange(start_pos, end_pos)
         slot = np.where(pos < seq.sink_end, pos, pos + seq.gap)
-        import tvm
-
         pages = seq.pages.astype(np.int64)
-        flat = (pages[slot // P] * P + slot % P).astype(np.int32) if len(slot) else np.zeros(0, np.int32)
-        cfg = self.config
-        k = np.zeros((cfg.num_layers, len(slot), cfg.num_kv_heads, cfg.head_dim), tensors.numpy_dtype(cfg.dtype))
-        v = np.zeros_like(k)
-        if len(slot):
-            slots_dev = tvm.runtime.tensor(flat, self.device)
-            shape = (len(slot), cfg.num_kv_heads, cfg.head_dim)
-            for layer in range(cfg.num_layers):
-                kd = tvm.runtime.empty(shape, cfg.dtype, self.device)
-                vd = tvm.runtime.empty(shape, cfg.dtype, self.device)
-                self.kernels["gather"](self.pages[layer], slots_dev, kd, vd)
-                k[layer], v[layer] = kd.numpy(), vd.numpy()
-        return k, v
+        return (pages[slot // P] * P + slot % P).astype(np.int32) if len(slot) else np.zeros(0, np.int32)
+
+    def _no_mla(self, what: str) -> None:
+        if self._mla:
+            raise NotImplementedError(f"{what} is not supported for MLA caches yet")
 
     def debug_forward(self) -> ForwardInfo:
         """The open forward as planned: attention kernel, decode split, whether it advanced the previous
@@ -1041,7 +1226,7 @@ class PagedAttentionKVCache:
     # ------------------------------------------------------------------ internals
     def _copy_page(self, src: int, dst: int, num_slots: int) -> None:
         for layer in range(self.config.num_layers):
-            self.kernels["copy_page"](self.pages[layer], src, dst, num_slots)
+            self.kernels["mla_copy_page" if self._mla else "copy_page"](self.pages[layer], src, dst, num_slots)
 
     def _check_tree(self, seq_ids, seqs, lengths, parent_ptr):
         """Validate parent pointers; return per sequence (new parents, new depths)."""
@@ -1129,7 +1314,7 @@ def memory_needs(cfg: CacheConfig) -> list:
     layer_bytes = cfg.total_pages * cfg.page_bytes
     index = PackedLayout.of(B, chunk, 1).page_indices_at + -(-cfg.max_total_seq_len // cfg.page_size) + B
     index = -(-index // 1024) * 1024 * 4  # int32 elements rounded up to IndexBuffers' bucket
-    scratch = chunk * (cfg.qkv_heads * cfg.head_dim * itemsize + cfg.num_qo_heads * 4)
+    scratch = 0 if cfg.is_mla else chunk * (cfg.qkv_heads * cfg.head_dim * itemsize + cfg.num_qo_heads * 4)
     pool_fix = "lower num_pages / max_total_seq_len or use memory_fraction"
     if cfg.num_pages is None:
         pool_fix = (

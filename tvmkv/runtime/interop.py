@@ -94,7 +94,16 @@ class AtbViews(NamedTuple):
 _int = as_int  # ints, not bools, with the argument named in the error
 
 
+def _mha(cache) -> None:
+    """The foreign layouts are MHA layouts: refuse an MLA cache (docs/layout.md, "MLA pages")."""
+    if cache.config.is_mla:
+        raise NotImplementedError(
+            "the interop layouts (vLLM/FlashInfer/TVM/ATB K and V pages) are MHA layouts; this is an MLA cache"
+        )
+
+
 def _layer(cache, layer) -> int:
+    _mha(cache)
     layer = _int(layer, "layer")
     L = cache.config.num_layers
     if not 0 <= layer < L:
@@ -153,6 +162,7 @@ def interop_kernels(cache):
     """The interop kernel family for ``cache``'s configuration (compiled on first use, then cached)."""
     from ..build import load_kernels
 
+    _mha(cache)
     lib = cache.kernels
     key = lib.key
     build_dir = lib.path.parent.parent if getattr(lib, "path", None) is not None else None

@@ -82,14 +82,17 @@ class Launcher:
                 "or 1"
             )
         cfg, n, empty = config, config.prefill_chunk_size, tvm.runtime.empty
+        self._scratch_views: dict = {}
+        self._part_bufs: tuple | None = None
+        if config.is_mla:  # MLA layers launch from the cache's own calls (append_mla_kv, cross_attention)
+            self._scratch_bufs: dict = {}
+            return
         self._scratch_bufs = dict(
             q=empty((n, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, device),
             k=empty((n, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, device),
             v=empty((n, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, device),
             lse=empty((n, cfg.num_qo_heads), "float32", device),
         )
-        self._scratch_views: dict = {}
-        self._part_bufs: tuple | None = None
 
     def decode_split(self, batch: int, max_keys: int) -> DecodeSplit:
         """How a decode step of ``batch`` sequences, the longest of ``max_keys`` keys, is cut."""
@@ -170,8 +173,20 @@ class Launcher:
     def bind(self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT) -> Forward:
         """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
         cfg, d, lib = self.config, dev, self.kernels
-        s = self.scratch(total)
         rope = (cfg.rope_scale, cfg.rope_theta)
+        if cfg.is_mla:  # only the index arrays: MLA's calls bind their kernels themselves
+            return Forward(
+                seq_ids=seq_ids,
+                lengths=lengths,
+                total=total,
+                kernel=kernel,
+                slides=slides,
+                dev=dev,
+                scratch={},
+                attn_end=(None, *rope),
+                slot=slot,
+            )
+        s = self.scratch(total)
         fwd = Forward(
             seq_ids=seq_ids,
             lengths=lengths,
@@ -252,16 +267,6 @@ def _paged_tail(d: dict) -> tuple:
         d["kv_tree"],
         d["kv_tree_start"],
     )
-
-
-def run_shared(fwd: Forward, shared: tuple, rope_q, pages, q, o, sm_scale: float, window: int = 0) -> None:
-    """Attention of ``q`` over ``pages`` (another layer's, which already holds this forward's tokens),
-    appending nothing: ``rope_q`` prepares q as ``split_rope`` would, then the paged kernel ``shared``
-    (:meth:`Launcher.shared`) runs."""
-    lse, rope_scale, rope_theta = fwd.attn_end
-    q_rot = fwd.scratch["q"]
-    rope_q(q, fwd.split[0], q_rot, rope_scale, rope_theta)
-    run_paged(shared, pages, q_rot, o, lse, sm_scale, rope_scale, rope_theta, window)
 
 
 def run_paged(bound: tuple, pages, q, o, lse, sm_scale: float, rope_scale: float, rope_theta: float, window: int):
