@@ -718,10 +718,11 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
 
     # ------------------------------------------------------------------ cuda, tensor cores
     # Block = (query row, 16 heads: one m16 tile), 4 warps. Per tile of TK = 32 latent rows (cp.async,
-    # double buffered, rows padded to D + 8 so ldmatrix phases hit distinct banks): warp w computes
-    # S[16 heads, keys 8w .. 8w + 7] = Q K^T with mma.m16n8k16 over D (A = Q from shared memory, B = the
-    # rows), scaled into shared Ss; warp w then runs the online softmax of heads 4w .. 4w + 3 (lane =
-    # key) and writes P (cache dtype) and each head's rescale factor; finally warp w accumulates
+    # double buffered, rows padded to D + 8 so ldmatrix phases hit distinct banks): warp w computes the
+    # partial S[16 heads, 32 keys] = Q K^T over its quarter of the k16 steps of D with mma.m16n8k16
+    # (A = its Q fragments, loaded into registers once; B = the rows), into shared Ss[w]; warp w then
+    # runs the online softmax of heads 4w .. 4w + 3 on the summed, scaled scores (lane = key) and
+    # writes P (cache dtype) and each head's rescale factor; finally warp w accumulates
     # O[16 heads, its D_v / 4 columns] += P V with mma (B = the same rows through ldmatrix.trans).
     TC_HEADS = 16
     NWT = 4  # warps
@@ -729,6 +730,7 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
     DVW = Dv // NWT  # output columns per warp
     DNT = DVW // 8  # n8 output tiles per warp
     KD = D // 16  # k16 steps of Q K^T
+    KQ = (KD + 3) // 4  # k16 steps per warp (warp w takes steps w, w + 4, ...)
     CPRT = D // 8  # 16-byte chunks per row
     KS2 = D + 8  # shared row stride (elements) of the latent tiles and of Q
     PS2 = TK + 8  # shared row stride of P
@@ -768,7 +770,7 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         Qs = T.decl_buffer(
             (TC_HEADS, KS2), dtype, data=smem.data, elem_offset=NS2 * TILE2_WORDS * 2, scope="shared.dyn"
         )
-        Ss = T.alloc_buffer((TC_HEADS, TK), "float32", scope="shared")  # scores * sm_scale * log2(e)
+        Ss = T.alloc_buffer((NWT, TC_HEADS, TK), "float32", scope="shared")  # partial scores of each warp
         Ps = T.alloc_buffer((TC_HEADS, PS2), dtype, scope="shared")  # probabilities of the tile
         Al = T.alloc_buffer((2, TC_HEADS), "float32", scope="shared")  # per head: rescale, then final sum
         Kid = T.alloc_buffer((3, TK), "int32", scope="shared")
@@ -777,7 +779,8 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         kr = T.alloc_buffer((len(KEYS),), "int32", scope="local")
         af = T.alloc_buffer((4,), "uint32", scope="local")
         bf = T.alloc_buffer((4,), "uint32", scope="local")
-        sacc = T.alloc_buffer((4,), "float32", scope="local")
+        sacc = T.alloc_buffer((TK // 8, 4), "float32", scope="local")
+        qf = T.alloc_buffer((KQ, 4), "uint32", scope="local")  # this warp's Q fragments, for every tile
         o_acc = T.alloc_buffer((DNT, 4), "float32", scope="local")
         m = T.alloc_buffer((HPWT,), "float32", scope="local")
         d_sum = T.alloc_buffer((HPWT,), "float32", scope="local")
@@ -807,6 +810,18 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         T.tvm_storage_sync("shared")
         if kr[KEYS.end] > 0:
             issue_tile_tc(Ks, Kid, 0, 0)
+        # the warp's Q fragments (k16 steps w, w + NWT, ...) into registers once Q has arrived (and
+        # nothing is in flight when there is no tile)
+        if kr[KEYS.end] > 0:
+            T.ptx["cp.async.wait_group"](1)
+        else:
+            T.ptx["cp.async.wait_group"](0)
+        T.tvm_storage_sync("shared")
+        for c in T.unroll(KQ):
+            if c * NWT + w < KD:
+                T.ptx[LDSM](
+                    qf[c, 0], qf[c, 1], qf[c, 2], qf[c, 3], Qs.ptr_to([lane % 16, (c * NWT + w) * 16 + lane // 16 * 8])
+                )
         for t in T.serial((kr[KEYS.end] + TK - 1) // TK):
             if NS2 == 2:
                 if (t + 1) * TK < kr[KEYS.end]:
@@ -821,34 +836,55 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
             T.tvm_storage_sync("shared")
             ks = T.meta_var(t % NS2)
             ss = T.meta_var(t % 3)
-            # S for keys 8w .. 8w + 7 of the tile
-            for r in T.unroll(4):
-                sacc[r] = T.float32(0)
-            for kk in T.serial(KD):
-                T.ptx[LDSM](af[0], af[1], af[2], af[3], Qs.ptr_to([lane % 16, kk * 16 + lane // 16 * 8]))
-                T.ptx[LDSM2](bf[0], bf[1], Ks.ptr_to([ks, w * 8 + lane % 8, kk * 16 + lane // 8 % 2 * 8]))
-                T.ptx[mma](
-                    sacc[0],
-                    sacc[1],
-                    sacc[2],
-                    sacc[3],
-                    af[0],
-                    af[1],
-                    af[2],
-                    af[3],
-                    bf[0],
-                    bf[1],
-                    sacc[0],
-                    sacc[1],
-                    sacc[2],
-                    sacc[3],
-                )
-            for r in T.unroll(4):
-                Ss[lane // 4 + 8 * (r // 2), w * 8 + lane % 4 * 2 + r % 2] = sacc[r] * (sm_scale * T.float32(LOG2E))
+            # partial S over the k16 steps kk = c * NWT + w of this warp, all TK keys (independent
+            # accumulators per n8 key tile), summed over the warps through shared memory
+            for nt in T.unroll(TK // 8):
+                for r in T.unroll(4):
+                    sacc[nt, r] = T.float32(0)
+            for c in T.unroll(KQ):
+                if c * NWT + w < KD:
+                    for np2 in T.unroll(TK // 16):
+                        T.ptx[LDSM](
+                            bf[0],
+                            bf[1],
+                            bf[2],
+                            bf[3],
+                            Ks.ptr_to(
+                                [ks, np2 * 16 + lane // 16 * 8 + lane % 8, (c * NWT + w) * 16 + lane // 8 % 2 * 8]
+                            ),
+                        )
+                        for half in T.unroll(2):
+                            T.ptx[mma](
+                                sacc[np2 * 2 + half, 0],
+                                sacc[np2 * 2 + half, 1],
+                                sacc[np2 * 2 + half, 2],
+                                sacc[np2 * 2 + half, 3],
+                                qf[c, 0],
+                                qf[c, 1],
+                                qf[c, 2],
+                                qf[c, 3],
+                                bf[half * 2],
+                                bf[half * 2 + 1],
+                                sacc[np2 * 2 + half, 0],
+                                sacc[np2 * 2 + half, 1],
+                                sacc[np2 * 2 + half, 2],
+                                sacc[np2 * 2 + half, 3],
+                            )
+            for nt in T.unroll(TK // 8):
+                for r in T.unroll(4):
+                    Ss[w, lane // 4 + 8 * (r // 2), nt * 8 + lane % 4 * 2 + r % 2] = sacc[nt, r]
             T.tvm_storage_sync("shared")
             # online softmax of heads 4w .. 4w + 3 over the tile (lane = key)
             for g in T.unroll(HPWT):
-                st[SOFT.s] = T.if_then_else(Kvis[ss, lane] == 1, Ss[w * HPWT + g, lane], T.float32(NEG_INF))
+                st[SOFT.s] = T.if_then_else(
+                    Kvis[ss, lane] == 1,
+                    (
+                        (Ss[0, w * HPWT + g, lane] + Ss[1, w * HPWT + g, lane])
+                        + (Ss[2, w * HPWT + g, lane] + Ss[3, w * HPWT + g, lane])
+                    )
+                    * (sm_scale * T.float32(LOG2E)),
+                    T.float32(NEG_INF),
+                )
                 st[SOFT.m_new] = T.max(m[g], T.cuda.warp_reduce(st[SOFT.s], "max", WARP))
                 if st[SOFT.m_new] > T.float32(NEG_INF):
                     st[SOFT.alpha] = T.exp2(m[g] - st[SOFT.m_new])
