@@ -5,6 +5,10 @@ The cache object (a :class:`tvmkv.PagedAttentionKVCache`) is an argument of the 
 call of the global ``tvmkv.attention_with_fused_qkv`` (registered by :func:`tvmkv.relax.register`),
 which receives the cache object itself, the layer id, the softmax scale, the fused qkv and the
 VM-allocated output. Layout of qkv and the output: docs/layout.md ("Fused qkv").
+
+An MLA model (DeepSeek-V2, :mod:`tvmkv.relax.deepseek_nn`) on a ``PagedAttentionKVCache.mla(...)``
+calls instead ``append_mla_kv``, ``self_attention``, ``cross_attention`` and
+``merge_attn_output_inplace`` (globals ``tvmkv.append_mla_kv`` ... ``tvmkv.merge_attn_output``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,15 @@ from __future__ import annotations
 from tvm import relax as rx
 from tvm.relax.frontend import nn
 
-from .builtins import ATTENTION_FUNC, QUERY_POSITIONS_FUNC, SHARED_KV_FUNC
+from .builtins import (
+    APPEND_MLA_FUNC,
+    ATTENTION_FUNC,
+    CROSS_ATTENTION_FUNC,
+    MERGE_FUNC,
+    QUERY_POSITIONS_FUNC,
+    SELF_ATTENTION_FUNC,
+    SHARED_KV_FUNC,
+)
 
 
 class TvmkvKVCache(nn.Object):
@@ -99,3 +111,114 @@ class TvmkvKVCache(nn.Object):
         """
         call = rx.call_pure_packed(QUERY_POSITIONS_FUNC, self._expr, ty_args=rx.TensorType((total_length,), "int32"))
         return nn.Tensor(_expr=rx.BlockBuilder.current().emit(call))
+
+    # ------------------------------------------------------------------ MLA (DeepSeek-V2)
+    # Same signatures as TVM's PagedKVCache; the cache is a tvmkv.PagedAttentionKVCache.mla(...).
+    def append_mla_kv(self, layer_id: int, kv: nn.Tensor) -> TvmkvKVCache:
+        """Write the new tokens' MLA rows into layer ``layer_id``'s pages (``tvmkv.append_mla_kv``).
+
+        Parameters
+        ----------
+        layer_id : int
+        kv : nn.Tensor
+            ``[b, s, 1, kv_lora_rank + qk_rope_head_dim]``: each token's normalized latent, then its
+            rotated ``k_pe``; ``b * s`` tokens in ``begin_forward`` order.
+
+        Returns
+        -------
+        TvmkvKVCache
+            The cache after the append. Pass **it** to the layer's attention calls: that data
+            dependence keeps the append (a pure call to the compiler) alive and ordered before them.
+        """
+        b, s, _, d = kv.shape
+        call = rx.call_pure_packed(
+            APPEND_MLA_FUNC, self._expr, rx.prim_value(layer_id), kv.reshape(b * s, d)._expr, ty_args=rx.AnyType()
+        )
+        return TvmkvKVCache(_expr=rx.BlockBuilder.current().emit(call), _name="paged_kv_cache")
+
+    def self_attention(
+        self, layer_id: int, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor, sm_scale: float
+    ) -> tuple[nn.Tensor, nn.Tensor]:
+        """Causal attention among the forward's new tokens over the ``k`` / ``v`` given
+        (``tvmkv.self_attention``; MLA's non-absorbed prefill attention).
+
+        Parameters
+        ----------
+        layer_id : int
+        q, k : nn.Tensor
+            ``[b, s, H, Dq]``.
+        v : nn.Tensor
+            ``[b, s, H, Dv]``.
+        sm_scale : float
+
+        Returns
+        -------
+        (nn.Tensor, nn.Tensor)
+            ``o [b, s, H, Dv]`` (dtype of ``q``) and ``lse [b, s, H]`` float32 (base 2; docs/layout.md).
+        """
+        b, s, h, dq = q.shape
+        dv = v.shape[3]
+        qkv = [q.reshape(b * s, h, dq), k.reshape(b * s, h, dq), v.reshape(b * s, h, dv)]
+        args = [self._expr, rx.prim_value(layer_id), rx.prim_value(float(sm_scale)), *(t._expr for t in qkv)]
+        return self._dps_pair(SELF_ATTENTION_FUNC, args, (b, s, h, dv), q.dtype)
+
+    def cross_attention(
+        self, layer_id: int, q: nn.Tensor, v_head_dim: int, sm_scale: float
+    ) -> tuple[nn.Tensor, nn.Tensor]:
+        """Absorbed MLA attention over layer ``layer_id``'s pages (``tvmkv.cross_attention``): in a
+        prefill the history only, in a decode step (one token per sequence) the history and the token
+        just appended (TVM's rule, :meth:`tvmkv.PagedAttentionKVCache.cross_attention`).
+
+        Parameters
+        ----------
+        layer_id : int
+        q : nn.Tensor
+            ``[b, s, H, kv_lora_rank + qk_rope_head_dim]``: ``q_nope W_UK`` then the rotated ``q_pe``.
+        v_head_dim : int
+            ``kv_lora_rank`` (the output is the attention-weighted latent).
+        sm_scale : float
+
+        Returns
+        -------
+        (nn.Tensor, nn.Tensor)
+            ``o [b, s, H, v_head_dim]`` and ``lse [b, s, H]`` float32.
+        """
+        b, s, h, d = q.shape
+        args = [self._expr, rx.prim_value(layer_id), rx.prim_value(float(sm_scale)), q.reshape(b * s, h, d)._expr]
+        return self._dps_pair(CROSS_ATTENTION_FUNC, args, (b, s, h, v_head_dim), q.dtype)
+
+    def merge_attn_output_inplace(
+        self, o_a: nn.Tensor, lse_a: nn.Tensor, o_b: nn.Tensor, lse_b: nn.Tensor
+    ) -> tuple[nn.Tensor, nn.Tensor]:
+        """The attention state over both key sets of ``(o_a, lse_a)`` and ``(o_b, lse_b)``
+        (``tvmkv.merge_attn_output``; docs/layout.md, "Outputs and the log-sum-exp").
+
+        TVM's method of this name merges into ``o_a`` / ``lse_a`` and returns them through a pure
+        call, which Relax's memory planner cannot see as an alias; this one writes fresh
+        destination-passing outputs and leaves its inputs alone. The values returned are the same.
+
+        Parameters
+        ----------
+        o_a, o_b : nn.Tensor
+            ``[b, s, H, D]``.
+        lse_a, lse_b : nn.Tensor
+            ``[b, s, H]`` float32.
+
+        Returns
+        -------
+        (nn.Tensor, nn.Tensor)
+            ``o [b, s, H, D]`` and ``lse [b, s, H]``.
+        """
+        b, s, h, d = o_a.shape
+        args = [o_a.reshape(b * s, h, d), lse_a.reshape(b * s, h), o_b.reshape(b * s, h, d), lse_b.reshape(b * s, h)]
+        return self._dps_pair(MERGE_FUNC, [self._expr, *(t._expr for t in args)], (b, s, h, d), o_a.dtype)
+
+    def _dps_pair(self, func: str, args: list, o_shape: tuple, dtype: str) -> tuple[nn.Tensor, nn.Tensor]:
+        """Emit the destination-passing ``func(*args, o, lse)``; returns ``o [b, s, h, d]``, ``lse [b, s, h]``."""
+        b, s, h, d = o_shape
+        bb = rx.BlockBuilder.current()
+        out_ty = [rx.TensorType((b * s, h, d), dtype), rx.TensorType((b * s, h), "float32")]
+        res = bb.emit(rx.call_dps_packed(func, args, out_ty=out_ty))
+        o = nn.Tensor(_expr=bb.emit(rx.TupleGetItem(res, 0))).reshape(b, s, h, d)
+        lse = nn.Tensor(_expr=bb.emit(rx.TupleGetItem(res, 1))).reshape(b, s, h)
+        return o, lse
