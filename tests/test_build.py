@@ -194,6 +194,22 @@ def test_config_file_expansion_and_errors():
         build.expand_configs([{"head_dims": 64}], defaults)
     with pytest.raises(ValueError, match="rope_mode"):
         build.expand_configs([{"rope_mode": "yarn"}], defaults)
+    mla = build.expand_configs(
+        [
+            {
+                "family": "mla",
+                "num_qo_heads": 8,
+                "kv_lora_rank": 32,
+                "qk_rope_head_dim": 16,
+                "self_qk_dim": 32,
+                "self_v_dim": 16,
+            }
+        ],
+        defaults,
+    )
+    assert [k.name for k in mla] == [f"mla_h8_c32_r16_p{SMALL['page_size']}_{SMALL['dtype']}_s32x16"]
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        build.expand_configs([{"family": "mla"}], defaults)
     with pytest.raises(ValueError, match="arch"):
         build.gencode_flags("sm_70")
     assert build.gencode_flags("sm_90") == ["-gencode=arch=compute_90a,code=sm_90a"]

@@ -685,6 +685,8 @@ def clear_loaded() -> None:
 
 _SPEC_KEYS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")
 _CONFIG_KEYS = _SPEC_KEYS + ("rope_mode", "sliding", "local", "target", "arch", "family", "rope_scaling", "rotary_dim")
+# family "mla" (tvmkv.tir.MlaSpec): num_qo_heads, page_size and dtype as above, plus these
+_MLA_KEYS = ("kv_lora_rank", "qk_rope_head_dim", "self_qk_dim", "self_v_dim")
 
 
 def expand_configs(entries, defaults: dict) -> list:
@@ -703,7 +705,7 @@ def expand_configs(entries, defaults: dict) -> list:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ValueError(f"config entry {i} is {entry!r}; expected a dict with keys from {_CONFIG_KEYS}")
-        unknown = sorted(set(entry) - set(_CONFIG_KEYS) - {"comment"})
+        unknown = sorted(set(entry) - set(_CONFIG_KEYS) - set(_MLA_KEYS) - {"comment"})
         if unknown:
             raise ValueError(f"config entry {i} has unknown keys {unknown}; allowed keys: {_CONFIG_KEYS}")
         merged = {**defaults, **{k: v for k, v in entry.items() if k != "comment"}}
@@ -712,9 +714,26 @@ def expand_configs(entries, defaults: dict) -> list:
             c = dict(zip(axes, combo, strict=True))
             if c["rope_mode"] not in ROPE_MODES:
                 raise ValueError(f"config entry {i}: rope_mode={c['rope_mode']!r} is not one of {ROPE_MODES}")
-            spec = KernelSpec(**{k: c[k] for k in _SPEC_KEYS}, target_kind=c["target"])
             arch = (c["arch"] or default_cuda_arch()) if c["target"] == "cuda" else None
             family = c.get("family", "kvcache")
+            if family == "mla":
+                if "kv_lora_rank" not in c or "qk_rope_head_dim" not in c:
+                    raise ValueError(f"config entry {i}: family 'mla' needs kv_lora_rank and qk_rope_head_dim")
+                mla = MlaSpec(
+                    c["num_qo_heads"],
+                    c["kv_lora_rank"],
+                    c["qk_rope_head_dim"],
+                    c["page_size"],
+                    c["dtype"],
+                    c["target"],
+                    self_qk_dim=c.get("self_qk_dim", 0),
+                    self_v_dim=c.get("self_v_dim", 0),
+                )
+                key = BuildKey(mla, "none", False, arch, "mla")
+                if key not in keys:
+                    keys.append(key)
+                continue
+            spec = KernelSpec(**{k: c[k] for k in _SPEC_KEYS}, target_kind=c["target"])
             if family == "kvcache":
                 variant = kernel_variant(c.get("rope_scaling"), spec.head_dim, c["rope_mode"], c.get("rotary_dim"))
                 key = BuildKey(
