@@ -185,6 +185,41 @@ def test_attention_prefill(target, cfg, rng, causal):
     assert np.isneginf(lse_ref[rows3]).all() == bool(causal)
 
 
+@pytest.mark.parametrize("kv_chunk", [20, 32])
+def test_attention_split(target, cfg, rng, kv_chunk):
+    """mla_attention_split per chunk (partial states against the reference restricted to the chunk's
+    slots, empty chunks included), then mla_merge_splits against the unsplit reference: causal prefill
+    rows over a windowed sequence and a sequence without pages."""
+    spec = _spec(target, cfg)
+    lib = _lib(target, cfg)
+    hist = [40, 0, 5, 2 * spec.page_size + 3]
+    new = [1, 0, 4, 2]
+    kv_lens = [h + m for h, m in zip(hist, new, strict=True)]
+    pg = MlaPaged(rng, spec, kv_lens)
+    pg.kv_window[2] = (2, 4, -2)
+    q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    n = int(q_indptr[-1])
+    q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new, strict=True)]).astype(np.int32)
+    q_pos[q_indptr[2] : q_indptr[3]] -= 2
+    q = _rand(rng, (n, spec.num_heads, spec.head_dim), spec.dtype)
+    S = -(-max(kv_lens) // kv_chunk) + 1  # one chunk past every sequence: empty everywhere
+    H, Dv = spec.num_heads, spec.latent_dim
+    o_part = to_dev(np.full((S, n, H, Dv), np.nan, np.float32), target)
+    lse_part = to_dev(np.zeros((S, n, H), np.float32), target)
+    args = [q, q_indptr, q_pos, pg.pages, *pg.tables()]
+    sm_scale = spec.head_dim**-0.5
+    lib["mla_attention_split"](
+        *[to_dev(a, target) for a in args], o_part, lse_part, np.float32(sm_scale), np.int32(1), np.int32(kv_chunk)
+    )
+    o_ref, lse_ref = ref.mla_attention_split_ref(*args, sm_scale, 1, Dv, kv_chunk, S)
+    _check(o_part, lse_part, o_ref, lse_ref, spec.dtype)
+    assert np.isneginf(lse_ref[-1]).all()
+    o = to_dev(np.zeros((n, H, Dv), _np_dtype(spec.dtype)), target)
+    lse = to_dev(np.zeros((n, H), np.float32), target)
+    lib["mla_merge_splits"](o_part, lse_part, o, lse)
+    _check(o, lse, *ref.mla_attention_ref(*args, sm_scale, 1, Dv), spec.dtype)
+
+
 def test_attention_window_reference():
     """The reference's window and causal rules on a hand-built case (independent of the kernels):
     slots 0..1 sink, 2..3 gap, 4.. at positions j - 2; row at position 3 sees slots 0, 1, 4, 5."""
@@ -267,7 +302,15 @@ def test_spec_validation_and_tag():
 def test_kernel_set_names():
     from tvmkv.tir import mla
 
-    base = {"mla_append", "mla_attention", "mla_gather", "mla_copy_page", "merge_any"}
+    base = {
+        "mla_append",
+        "mla_attention",
+        "mla_attention_split",
+        "mla_merge_splits",
+        "mla_gather",
+        "mla_copy_page",
+        "merge_any",
+    }
     assert set(mla.kernel_set(MlaSpec(8, 32, 16, 4, "float16", "llvm"))) == base
     assert set(mla.kernel_set(MlaSpec(8, 32, 16, 4, "float16", "cuda", 32, 16))) == base | {"ragged_attention_dv"}
 
@@ -287,6 +330,7 @@ def test_cuda_kernels_compile(tmp_path):
     ]
     funcs = {f"{name}_{k}": f for k, spec in enumerate(specs) for name, f in mla.kernel_set(spec).items()}
     funcs["mla_attention_simt"] = mla.make_mla_attention(specs[0], tensor_cores=False)
+    funcs["mla_attention_split_simt"] = mla.make_mla_attention(specs[0], split=True, tensor_cores=False)
     assert mla.use_tensor_cores(specs[0]) and not any(mla.use_tensor_cores(s) for s in specs[1:])
     src = compile_funcs(funcs, "cuda", "sm_90").mod.imports[0].inspect_source()
     assert all(f"{name}_kernel" in src for name in funcs) and "mma.sync.aligned.m16n8k16" in src

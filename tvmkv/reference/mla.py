@@ -62,6 +62,8 @@ def mla_attention_ref(
     sm_scale: float,
     causal: int,
     latent_dim: int,
+    *,
+    slot_range=None,
 ):
     """Reference of ``mla_attention``: q [n, H, D], pages [num_pages, P, D] -> o [n, H, latent_dim], lse [n, H].
 
@@ -69,6 +71,7 @@ def mla_attention_ref(
     ``j < sink_end or j >= window_start`` and sits at position ``j`` (sink) or ``j + window_pos_offset``;
     with ``causal`` it is visible to row ``i`` iff also ``pos <= q_pos[i]``. Each head scores the whole
     row (``sm_scale * q . row``) and averages the row's first ``latent_dim`` entries.
+    ``slot_range=(lo, hi)``: only slots ``lo <= j < hi`` are seen (one chunk of ``mla_attention_split``).
     """
     q = np.asarray(q, np.float64)
     n, H, _ = q.shape
@@ -87,9 +90,44 @@ def mla_attention_ref(
         pos = np.where(j < sink_end, j, j + offset)
         for i in range(q_indptr[b], q_indptr[b + 1]):
             visible = valid & (pos <= q_pos[i]) if causal else valid
+            if slot_range is not None:
+                visible = visible & (j >= slot_range[0]) & (j < slot_range[1])
             keys = rows[visible]
             for h in range(H):
                 o[i, h], lse[i, h] = _softmax_rows(sm_scale * (keys @ q[i, h]), keys[:, :latent_dim])
+    return o, lse
+
+
+def mla_attention_split_ref(
+    q,
+    q_indptr,
+    q_pos,
+    pages,
+    page_indptr,
+    page_indices,
+    last_page_len,
+    kv_window,
+    sm_scale: float,
+    causal: int,
+    latent_dim: int,
+    kv_chunk: int,
+    num_splits: int,
+):
+    """Reference of ``mla_attention_split``: chunk ``c`` attends to slots ``[c kv_chunk, (c + 1) kv_chunk)``
+    only -> (o_part [S, n, H, latent_dim], lse_part [S, n, H]), ``S = num_splits``."""
+    args = (q, q_indptr, q_pos, pages, page_indptr, page_indices, last_page_len, kv_window, sm_scale, causal)
+    parts = [
+        mla_attention_ref(*args, latent_dim, slot_range=(c * kv_chunk, (c + 1) * kv_chunk)) for c in range(num_splits)
+    ]
+    return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+
+
+def mla_merge_splits_ref(o_part, lse_part):
+    """Reference of ``mla_merge_splits``: the ``S`` states of ``o_part`` [S, n, H, Dm] / ``lse_part``
+    [S, n, H] merged one after another with :func:`merge_any_ref` (float64)."""
+    o, lse = np.zeros(o_part.shape[1:]), np.full(lse_part.shape[1:], -np.inf)
+    for c in range(len(o_part)):
+        o, lse = merge_any_ref(o, lse, o_part[c], lse_part[c])
     return o, lse
 
 

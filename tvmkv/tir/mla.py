@@ -60,8 +60,9 @@ SMEM_BYTES = 200 * 1024  # double-buffer the latent tiles when both fit in this 
 MERGE_ROWS = 8  # (row, head) pairs per CUDA block of merge_any (one warp each)
 
 SEQ = state_slots("b", "lo", "hi")  # a row's sequence b; lo, hi: bounds of its binary search
-# keys of a query row: kv_len, base (first page entry), window (sink_end, window_start, offset), end
-KEYS = state_slots("kv_len", "base", "sink_end", "window_start", "window_offset", "end", "slot", "pos")
+# keys of a query row: kv_len, base (first page entry), window (sink_end, window_start, offset), the scan
+# [start, end) (split: the chunk's part of it), and the slot and position of the key at hand
+KEYS = state_slots("kv_len", "base", "sink_end", "window_start", "window_offset", "end", "slot", "pos", "start")
 SOFT = state_slots("s", "m_new", "alpha", "p")  # one score's online-softmax update
 MERGE = state_slots("la", "lb", "wa", "wb", "lse")  # merge_any: inputs, weights, merged lse
 
@@ -362,16 +363,150 @@ def make_merge_any(spec: MlaSpec):
     return merge_any_func(spec, cpu_body if spec.is_cpu else gpu_body)
 
 
+def mla_merge_splits_func(spec: MlaSpec, body):
+    """The ``mla_merge_splits`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
+    reads the parameters of :func:`make_mla_merge_splits` by name (sizes ``S``, ``n``, ``H``, ``Dm``)."""
+    dtype = spec.dtype
+    attrs = _attrs(spec)
+
+    @T.prim_func
+    def mla_merge_splits(var_o_part: T.handle, var_lse_part: T.handle, var_o: T.handle, var_lse: T.handle):
+        T.func_attr(attrs)
+        S = T.int32()
+        n = T.int32()
+        H = T.int32()
+        Dm = T.int32()
+        o_part = T.match_buffer(var_o_part, (S, n, H, Dm), "float32")
+        lse_part = T.match_buffer(var_lse_part, (S, n, H), "float32")
+        o = T.match_buffer(var_o, (n, H, Dm), dtype)
+        lse = T.match_buffer(var_lse, (n, H), "float32")
+        body()
+
+    return mla_merge_splits
+
+
+def make_mla_merge_splits(spec: MlaSpec):
+    """``mla_merge_splits(o_part, lse_part, o, lse)``: fold the chunks of ``mla_attention_split`` into
+    one state, as repeated merges would (docs/layout.md merge rule, base 2); every size is symbolic.
+
+    ``lse = log2(sum_c 2^lse_c)``, ``o = sum_c o_c 2^(lse_c - lse)``; a chunk with ``lse_c = -inf`` is
+    skipped (its ``o_c`` is not read); all ``-inf`` give ``o = 0``, ``lse = -inf``.
+
+    Parameters
+    ----------
+    o_part : [S, n, H, Dm], float32
+    lse_part : [S, n, H], float32
+    o : [n, H, Dm], spec.dtype, **written**
+    lse : [n, H], float32, **written**
+    """
+    dtype = spec.dtype
+    neg_inf = T.float32(NEG_INF)
+    RY = MERGE_ROWS
+    MS = state_slots("m", "w_sum", "acc")
+
+    @macro
+    def max_and_sum(st, i, h):
+        # st[MS.m] = max_c lse_c, st[MS.w_sum] = sum_c 2^(lse_c - m) (0 when every chunk is empty)
+        st[MS.m] = neg_inf
+        for c in T.serial(S):
+            st[MS.m] = T.max(st[MS.m], lse_part[c, i, h])
+        st[MS.w_sum] = T.float32(0)
+        if st[MS.m] != neg_inf:
+            for c in T.serial(S):
+                if lse_part[c, i, h] != neg_inf:
+                    st[MS.w_sum] = st[MS.w_sum] + T.exp2(lse_part[c, i, h] - st[MS.m])
+
+    @macro
+    def element(st, i, h, d):
+        st[MS.acc] = T.float32(0)
+        if st[MS.w_sum] != T.float32(0):
+            for c in T.serial(S):
+                if lse_part[c, i, h] != neg_inf:
+                    st[MS.acc] = st[MS.acc] + o_part[c, i, h, d] * T.exp2(lse_part[c, i, h] - st[MS.m])
+            o[i, h, d] = T.Cast(dtype, st[MS.acc] / st[MS.w_sum])
+        else:
+            o[i, h, d] = T.Cast(dtype, T.float32(0))
+
+    @macro
+    def cpu_body():
+        for ih in T.parallel(n * H):
+            st = T.alloc_buffer((len(MS),), "float32", scope="local")
+            max_and_sum(st, ih // H, ih % H)
+            for d in T.serial(Dm):
+                element(st, ih // H, ih % H, d)
+            lse[ih // H, ih % H] = T.if_then_else(
+                st[MS.w_sum] == T.float32(0), neg_inf, st[MS.m] + T.log2(st[MS.w_sum])
+            )
+
+    @macro
+    def gpu_body():
+        # one warp per (row, head): lanes over Dm
+        bx = T.launch_thread("blockIdx.x", T.max((n * H + RY - 1) // RY, 1))  # max: no empty grid
+        ty = T.launch_thread("threadIdx.y", RY)
+        tx = T.launch_thread("threadIdx.x", WARP)
+        st = T.alloc_buffer((len(MS),), "float32", scope="local")
+        ih = T.meta_var(bx * RY + ty)
+        if ih < n * H:
+            max_and_sum(st, ih // H, ih % H)
+            for r in T.serial((Dm + WARP - 1) // WARP):
+                if r * WARP + tx < Dm:
+                    element(st, ih // H, ih % H, r * WARP + tx)
+            if tx == 0:
+                lse[ih // H, ih % H] = T.if_then_else(
+                    st[MS.w_sum] == T.float32(0), neg_inf, st[MS.m] + T.log2(st[MS.w_sum])
+                )
+
+    return mla_merge_splits_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
 # ---------------------------------------------------------------------------------------------------
 # absorbed attention over the latent pages
 # ---------------------------------------------------------------------------------------------------
 
 
-def mla_attention_func(spec: MlaSpec, body):
-    """The ``mla_attention`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
-    reads the parameters of :func:`make_mla_attention` by name (sizes ``n`` and ``B``)."""
+def mla_attention_func(spec: MlaSpec, body, *, split: bool = False):
+    """The ``mla_attention`` PrimFunc of ``spec`` (``split``: ``mla_attention_split``) around ``body``, a
+    macro without arguments, which reads the parameters of :func:`make_mla_attention` by name (sizes
+    ``n``, ``B`` and ``NSPLIT``, 1 without ``split``)."""
     H, D, Dv, P, dtype = spec.num_heads, spec.head_dim, spec.latent_dim, spec.page_size, spec.dtype
     attrs = _attrs(spec)
+    if split:
+
+        @T.prim_func
+        def mla_attention_split(
+            var_q: T.handle,
+            var_q_indptr: T.handle,
+            var_q_pos: T.handle,
+            var_pages: T.handle,
+            var_page_indptr: T.handle,
+            var_page_indices: T.handle,
+            var_last_page_len: T.handle,
+            var_kv_window: T.handle,
+            var_o_part: T.handle,
+            var_lse_part: T.handle,
+            sm_scale: T.float32,
+            causal: T.int32,
+            kv_chunk: T.int32,
+        ):
+            T.func_attr(attrs)
+            n = T.int32()
+            B = T.int32()
+            NSPLIT = T.int32()
+            num_pages = T.int32()
+            nnz = T.int32()
+            q = T.match_buffer(var_q, (n, H, D), dtype)
+            q_indptr = T.match_buffer(var_q_indptr, (B + 1,), "int32")
+            q_pos = T.match_buffer(var_q_pos, (n,), "int32")
+            pages = T.match_buffer(var_pages, (num_pages, P, D), dtype)
+            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+            o_part = T.match_buffer(var_o_part, (NSPLIT, n, H, Dv), "float32")
+            lse_part = T.match_buffer(var_lse_part, (NSPLIT, n, H), "float32")
+            body()
+
+        return mla_attention_split
 
     @T.prim_func
     def mla_attention(
@@ -403,12 +538,13 @@ def mla_attention_func(spec: MlaSpec, body):
         kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
         o = T.match_buffer(var_o, (n, H, Dv), dtype)
         lse = T.match_buffer(var_lse, (n, H), "float32")
+        NSPLIT = T.meta_var(1)
         body()
 
     return mla_attention
 
 
-def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
+def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool = True):
     """``mla_attention(q, q_indptr, q_pos, pages, page_indptr, page_indices, last_page_len, kv_window,
     o, lse, sm_scale, causal)``: absorbed MLA attention of ragged query rows over the paged latent rows.
 
@@ -440,6 +576,16 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         Score scale.
     causal : int32
         1: slot ``j`` is visible iff valid and ``pos(j) <= q_pos[i]``; 0: every valid slot.
+
+    ``split=True`` gives ``mla_attention_split(q, q_indptr, q_pos, pages, page_indptr, page_indices,
+    last_page_len, kv_window, o_part, lse_part, sm_scale, causal, kv_chunk)`` (flash-decoding, for
+    few rows over long sequences): chunk ``c`` of row ``i`` attends only to the slots ``j`` with
+    ``c * kv_chunk <= j < (c + 1) * kv_chunk`` (slot indices, gap slots of a window included in the
+    count) and writes its normalized float32 ``o_part[c, i]`` ([S, n, H, D_v]) and base-2
+    ``lse_part[c, i]`` ([S, n, H]; ``-inf`` and ``o_part = 0`` when it sees no key);
+    ``mla_merge_splits`` folds the ``S`` chunks into ``o`` / ``lse``. The caller chooses ``S`` and
+    ``kv_chunk`` with ``S * kv_chunk >= kv_len`` of every sequence (``kv_chunk`` a multiple of 32 keeps
+    the tiles full). ``tensor_cores=False`` forces the SIMT cuda schedule.
     """
     H, D, Dv, P, dtype = spec.num_heads, spec.head_dim, spec.latent_dim, spec.page_size, spec.dtype
     LOGP = P.bit_length() - 1
@@ -460,8 +606,9 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         seq[SEQ.b] = seq[SEQ.lo]
 
     @macro
-    def key_range(kr, seq, i):
-        # kr[KEYS.*] of row i: the sequence's slots, window, and the end of the key scan
+    def key_range(kr, seq, i, ch):
+        # kr[KEYS.*] of row i: the sequence's slots, window, and the key scan [start, end) (split: the
+        # part of it in chunk ch)
         b = T.meta_var(seq[SEQ.b])
         kr[KEYS.base] = page_indptr[b]
         if page_indptr[b + 1] > page_indptr[b]:
@@ -482,6 +629,25 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
             )
         else:
             kr[KEYS.end] = kr[KEYS.kv_len]
+        kr[KEYS.start] = 0
+        if split:
+            kr[KEYS.start] = T.min(ch * kv_chunk, kr[KEYS.end])
+            kr[KEYS.end] = T.min(kr[KEYS.end], kr[KEYS.start] + kv_chunk)
+
+    @macro
+    def store_o(ch, i, h, d, value):
+        # the output element (float32 value): o, or chunk ch's partial (split)
+        if split:
+            o_part[ch, i, h, d] = value
+        else:
+            o[i, h, d] = T.Cast(dtype, value)
+
+    @macro
+    def store_lse(ch, i, h, value):
+        if split:
+            lse_part[ch, i, h] = value
+        else:
+            lse[i, h] = value
 
     @macro
     def key_slot(kr, i, j):
@@ -498,7 +664,7 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
 
     @macro
     def cpu_body():
-        for ic in T.parallel(n * NC):
+        for icc in T.parallel(n * NC * NSPLIT):
             seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
             kr = T.alloc_buffer((len(KEYS),), "int32", scope="local")
             Q = T.alloc_buffer((HC, D), "float32", scope="local")  # q * sm_scale * log2(e)
@@ -508,10 +674,11 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
             m = T.alloc_buffer((HC,), "float32", scope="local")
             d_sum = T.alloc_buffer((HC,), "float32", scope="local")
             st = T.alloc_buffer((len(SOFT),), "float32", scope="local")
-            i = T.meta_var(ic // NC)
-            h0 = T.meta_var(ic % NC * HC)
+            ch = T.meta_var(icc % NSPLIT)
+            i = T.meta_var(icc // NSPLIT // NC)
+            h0 = T.meta_var(icc // NSPLIT % NC * HC)
             find_sequence(seq, i)
-            key_range(kr, seq, i)
+            key_range(kr, seq, i, ch)
             for h in T.serial(HC):
                 m[h] = T.float32(NEG_INF)
                 d_sum[h] = T.float32(0)
@@ -519,7 +686,7 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
                     Q[h, d] = T.Cast("float32", q[i, h0 + h, d]) * (sm_scale * T.float32(LOG2E))
                 for d in T.vectorized(Dv):
                     O[h, d] = T.float32(0)
-            for j in T.serial(kr[KEYS.end]):
+            for j in T.serial(kr[KEYS.start], kr[KEYS.end]):
                 key_slot(kr, i, j)
                 if kr[KEYS.slot] >= 0:
                     for d in T.vectorized(D):
@@ -542,12 +709,12 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
                 # no key seen: d == 0 -> o = 0, lse = -inf; a NaN d (NaN input) propagates
                 if d_sum[h] == T.float32(0):
                     for d in out_loop(Dv):
-                        o[i, h0 + h, d] = T.Cast(dtype, T.float32(0))
-                    lse[i, h0 + h] = T.float32(NEG_INF)
+                        store_o(ch, i, h0 + h, d, T.float32(0))
+                    store_lse(ch, i, h0 + h, T.float32(NEG_INF))
                 else:
                     for d in out_loop(Dv):
-                        o[i, h0 + h, d] = T.Cast(dtype, O[h, d] / d_sum[h])
-                    lse[i, h0 + h] = m[h] + T.log2(d_sum[h])
+                        store_o(ch, i, h0 + h, d, O[h, d] / d_sum[h])
+                    store_lse(ch, i, h0 + h, m[h] + T.log2(d_sum[h]))
 
     # ------------------------------------------------------------------ cuda
     HB = _divisor_at_most(H, min(GPU_HEADS, max(1, QS_BYTES // (4 * D))))  # heads per block
@@ -569,11 +736,11 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         # warp 0: slot (always a real slot of the sequence: keys past the end repeat the last key) and
         # visibility of the keys of tile t, into stage slot_stage of Kid / Kvis
         if tid < TK:
-            key_slot(kr, i, T.min(t * TK + tid, kr[KEYS.end] - 1))
-            Kvis[slot_stage, tid] = T.Cast("int32", t * TK + tid < kr[KEYS.end] and kr[KEYS.slot] >= 0)
-            Kid[slot_stage, tid] = page_indices[kr[KEYS.base] + (T.min(t * TK + tid, kr[KEYS.end] - 1) >> LOGP)] * P + (
-                T.min(t * TK + tid, kr[KEYS.end] - 1) & PMASK
-            )
+            key_slot(kr, i, T.min(kr[KEYS.start] + t * TK + tid, kr[KEYS.end] - 1))
+            Kvis[slot_stage, tid] = T.Cast("int32", kr[KEYS.start] + t * TK + tid < kr[KEYS.end] and kr[KEYS.slot] >= 0)
+            Kid[slot_stage, tid] = page_indices[
+                kr[KEYS.base] + (T.min(kr[KEYS.start] + t * TK + tid, kr[KEYS.end] - 1) >> LOGP)
+            ] * P + (T.min(kr[KEYS.start] + t * TK + tid, kr[KEYS.end] - 1) & PMASK)
 
     @macro
     def issue_tile(Ks, Kid, slot_stage, stage):
@@ -595,11 +762,12 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
 
     @macro
     def gpu_body():
-        bx = T.launch_thread("blockIdx.x", T.max(n * NBH, 1))  # max: no empty grid when n == 0
+        bx = T.launch_thread("blockIdx.x", T.max(n * NBH * NSPLIT, 1))  # max: no empty grid when n == 0
         ty = T.launch_thread("threadIdx.y", NW)
         tx = T.launch_thread("threadIdx.x", WARP)
-        i = T.meta_var(bx // NBH)
-        h0 = T.meta_var(bx % NBH * HB)  # first head of the block
+        ch = T.meta_var(bx % NSPLIT)  # the chunk (split; chunks of a row side by side)
+        i = T.meta_var(bx // NSPLIT // NBH)
+        h0 = T.meta_var(bx // NSPLIT % NBH * HB)  # first head of the block
         tid = T.meta_var(ty * WARP + tx)
         # one dynamic shared allocation (float32 words, so kernels of different dtypes in one module
         # declare the same ``extern __shared__`` array): NS latent tiles, viewed in the cache dtype,
@@ -624,13 +792,14 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         st = T.alloc_buffer((len(SOFT),), "float32", scope="local")
         if i < n:
             find_sequence(seq, i)
-            key_range(kr, seq, i)
+            key_range(kr, seq, i, ch)
             for r in T.serial((HB * D + NT - 1) // NT):
                 if r * NT + tid < HB * D:
                     Qs[(r * NT + tid) // D, (r * NT + tid) % D] = T.Cast(
                         "float32", q[i, h0 + (r * NT + tid) // D, (r * NT + tid) % D]
                     ) * (sm_scale * T.float32(LOG2E))
         else:
+            kr[KEYS.start] = 0
             kr[KEYS.end] = 0
         for g in T.unroll(HPW):
             m[g] = T.float32(NEG_INF)
@@ -638,23 +807,23 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
             for e in T.unroll(NDV):
                 O[g, e] = T.float32(0)
         # prologue: the slots of tiles 0 and 1, the rows of tile 0 in flight
-        if kr[KEYS.end] > 0:
+        if kr[KEYS.end] > kr[KEYS.start]:
             tile_slots(kr, Kid, Kvis, i, 0, 0)
             tile_slots(kr, Kid, Kvis, i, 1, 1)
         T.tvm_storage_sync("shared")
-        if kr[KEYS.end] > 0:
+        if kr[KEYS.end] > kr[KEYS.start]:
             issue_tile(Ks, Kid, 0, 0)
-        for t in T.serial((kr[KEYS.end] + TK - 1) // TK):
+        for t in T.serial((kr[KEYS.end] - kr[KEYS.start] + TK - 1) // TK):
             # tile t + 1 in flight while tile t is used; the slots of tile t + 2 are looked up
             if NS == 2:
-                if (t + 1) * TK < kr[KEYS.end]:
+                if kr[KEYS.start] + (t + 1) * TK < kr[KEYS.end]:
                     issue_tile(Ks, Kid, (t + 1) % 3, (t + 1) % 2)
                     T.ptx["cp.async.wait_group"](1)
                 else:
                     T.ptx["cp.async.wait_group"](0)
             else:
                 T.ptx["cp.async.wait_group"](0)
-            if (t + 2) * TK < kr[KEYS.end]:
+            if kr[KEYS.start] + (t + 2) * TK < kr[KEYS.end]:
                 tile_slots(kr, Kid, Kvis, i, t + 2, (t + 2) % 3)
             T.tvm_storage_sync("shared")
             ks = T.meta_var(t % NS)
@@ -700,21 +869,21 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
                                 O[g, e] = O[g, e] + pr[g] * st[SOFT.s]
             T.tvm_storage_sync("shared")
             if NS == 1:
-                if (t + 1) * TK < kr[KEYS.end]:
+                if kr[KEYS.start] + (t + 1) * TK < kr[KEYS.end]:
                     issue_tile(Ks, Kid, (t + 1) % 3, 0)
         if i < n:
             for g in T.unroll(HPW):
                 for e in T.unroll(NDV):
                     if e * WARP + tx < Dv:
                         if d_sum[g] == T.float32(0):
-                            o[i, h0 + ty * HPW + g, e * WARP + tx] = T.Cast(dtype, T.float32(0))
+                            store_o(ch, i, h0 + ty * HPW + g, e * WARP + tx, T.float32(0))
                         else:
-                            o[i, h0 + ty * HPW + g, e * WARP + tx] = T.Cast(dtype, O[g, e] / d_sum[g])
+                            store_o(ch, i, h0 + ty * HPW + g, e * WARP + tx, O[g, e] / d_sum[g])
                 if tx == 0:
                     if d_sum[g] == T.float32(0):
-                        lse[i, h0 + ty * HPW + g] = T.float32(NEG_INF)
+                        store_lse(ch, i, h0 + ty * HPW + g, T.float32(NEG_INF))
                     else:
-                        lse[i, h0 + ty * HPW + g] = m[g] + T.log2(d_sum[g])
+                        store_lse(ch, i, h0 + ty * HPW + g, m[g] + T.log2(d_sum[g]))
 
     # ------------------------------------------------------------------ cuda, tensor cores
     # Block = (query row, 16 heads: one m16 tile), 4 warps. Per tile of TK = 32 latent rows (cp.async,
@@ -758,10 +927,11 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
 
     @macro
     def gpu_tc_body():
-        bx = T.launch_thread("blockIdx.x", T.max(n * (H // TC_HEADS), 1))  # max: no empty grid when n == 0
+        bx = T.launch_thread("blockIdx.x", T.max(n * (H // TC_HEADS) * NSPLIT, 1))  # max: no empty grid
         tx = T.launch_thread("threadIdx.x", NTT)
-        i = T.meta_var(bx // (H // TC_HEADS))
-        h0 = T.meta_var(bx % (H // TC_HEADS) * TC_HEADS)
+        ch = T.meta_var(bx % NSPLIT)  # the chunk (split; chunks of a row side by side)
+        i = T.meta_var(bx // NSPLIT // (H // TC_HEADS))
+        h0 = T.meta_var(bx // NSPLIT % (H // TC_HEADS) * TC_HEADS)
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
         tid = T.meta_var(tx)
@@ -787,7 +957,7 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         st = T.alloc_buffer((len(SOFT),), "float32", scope="local")
         if i < n:
             find_sequence(seq, i)
-            key_range(kr, seq, i)
+            key_range(kr, seq, i, ch)
             for r in T.serial((TC_HEADS * CPRT + NTT - 1) // NTT):
                 if r * NTT + tx < TC_HEADS * CPRT:
                     T.ptx[CP16](
@@ -796,6 +966,7 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
                         16,
                     )
         else:
+            kr[KEYS.start] = 0
             kr[KEYS.end] = 0
         T.ptx["cp.async.commit_group"]()
         for g in T.unroll(HPWT):
@@ -804,15 +975,15 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
         for dn in T.unroll(DNT):
             for r in T.unroll(4):
                 o_acc[dn, r] = T.float32(0)
-        if kr[KEYS.end] > 0:
+        if kr[KEYS.end] > kr[KEYS.start]:
             tile_slots(kr, Kid, Kvis, i, 0, 0)
             tile_slots(kr, Kid, Kvis, i, 1, 1)
         T.tvm_storage_sync("shared")
-        if kr[KEYS.end] > 0:
+        if kr[KEYS.end] > kr[KEYS.start]:
             issue_tile_tc(Ks, Kid, 0, 0)
         # the warp's Q fragments (k16 steps w, w + NWT, ...) into registers once Q has arrived (and
         # nothing is in flight when there is no tile)
-        if kr[KEYS.end] > 0:
+        if kr[KEYS.end] > kr[KEYS.start]:
             T.ptx["cp.async.wait_group"](1)
         else:
             T.ptx["cp.async.wait_group"](0)
@@ -822,16 +993,16 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
                 T.ptx[LDSM](
                     qf[c, 0], qf[c, 1], qf[c, 2], qf[c, 3], Qs.ptr_to([lane % 16, (c * NWT + w) * 16 + lane // 16 * 8])
                 )
-        for t in T.serial((kr[KEYS.end] + TK - 1) // TK):
+        for t in T.serial((kr[KEYS.end] - kr[KEYS.start] + TK - 1) // TK):
             if NS2 == 2:
-                if (t + 1) * TK < kr[KEYS.end]:
+                if kr[KEYS.start] + (t + 1) * TK < kr[KEYS.end]:
                     issue_tile_tc(Ks, Kid, (t + 1) % 3, (t + 1) % 2)
                     T.ptx["cp.async.wait_group"](1)
                 else:
                     T.ptx["cp.async.wait_group"](0)
             else:
                 T.ptx["cp.async.wait_group"](0)
-            if (t + 2) * TK < kr[KEYS.end]:
+            if kr[KEYS.start] + (t + 2) * TK < kr[KEYS.end]:
                 tile_slots(kr, Kid, Kvis, i, t + 2, (t + 2) % 3)
             T.tvm_storage_sync("shared")
             ks = T.meta_var(t % NS2)
@@ -936,15 +1107,21 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
             for g in T.unroll(HPWT):
                 Al[1, w * HPWT + g] = d_sum[g]
                 if i < n:
-                    lse[i, h0 + w * HPWT + g] = T.if_then_else(
-                        d_sum[g] == T.float32(0), T.float32(NEG_INF), m[g] + T.log2(d_sum[g])
+                    store_lse(
+                        ch,
+                        i,
+                        h0 + w * HPWT + g,
+                        T.if_then_else(d_sum[g] == T.float32(0), T.float32(NEG_INF), m[g] + T.log2(d_sum[g])),
                     )
         T.tvm_storage_sync("shared")
         if i < n:
             for dn in T.unroll(DNT):
                 for r in T.unroll(4):
-                    o[i, h0 + lane // 4 + 8 * (r // 2), w * DVW + dn * 8 + lane % 4 * 2 + r % 2] = T.Cast(
-                        dtype,
+                    store_o(
+                        ch,
+                        i,
+                        h0 + lane // 4 + 8 * (r // 2),
+                        w * DVW + dn * 8 + lane % 4 * 2 + r % 2,
                         T.if_then_else(
                             Al[1, lane // 4 + 8 * (r // 2)] == T.float32(0),
                             T.float32(0),
@@ -953,10 +1130,12 @@ def make_mla_attention(spec: MlaSpec, *, tensor_cores: bool = True):
                     )
 
     if spec.is_cpu:
-        return mla_attention_func(spec, cpu_body)
-    if tensor_cores and use_tensor_cores(spec):
-        return mla_attention_func(spec, gpu_tc_body)
-    return mla_attention_func(spec, gpu_body)
+        body = cpu_body
+    elif tensor_cores and use_tensor_cores(spec):
+        body = gpu_tc_body
+    else:
+        body = gpu_body
+    return mla_attention_func(spec, body, split=split)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1151,8 +1330,9 @@ def make_ragged_attention_dv(spec: MlaSpec):
 
 def kernel_set(spec: MlaSpec) -> dict:
     """Every kernel of an MLA cache configuration, by name: ``mla_append``, ``mla_attention``,
-    ``mla_gather``, ``mla_copy_page``, ``merge_any``, and ``ragged_attention_dv`` when ``spec`` has
-    self attention dims."""
+    ``mla_attention_split`` and ``mla_merge_splits`` (flash-decoding over key chunks), ``mla_gather``,
+    ``mla_copy_page``, ``merge_any``, and ``ragged_attention_dv`` when ``spec`` has self attention
+    dims."""
     if not isinstance(spec, MlaSpec):
         raise TypeError(f"tvmkv.tir.mla.kernel_set takes an MlaSpec, got {type(spec).__name__}")
     kernels = {
@@ -1161,6 +1341,8 @@ def kernel_set(spec: MlaSpec) -> dict:
         "mla_gather": make_mla_gather(spec),
         "mla_copy_page": make_mla_copy_page(spec),
         "merge_any": make_merge_any(spec),
+        "mla_attention_split": make_mla_attention(spec, split=True),
+        "mla_merge_splits": make_mla_merge_splits(spec),
     }
     if spec.has_self_attention:
         kernels["ragged_attention_dv"] = make_ragged_attention_dv(spec)
