@@ -82,8 +82,8 @@ def mla_attention_ref(
         ids = page_indices[page_indptr[b] : page_indptr[b + 1]]
         kv_len = 0 if len(ids) == 0 else (len(ids) - 1) * P + int(last_page_len[b])
         rows = np.zeros((kv_len, pages.shape[2]))
-        for j in range(kv_len):
-            rows[j] = pages[ids[j // P], j % P]
+        for slot_index in range(kv_len):
+            rows[slot_index] = pages[ids[slot_index // P], slot_index % P]
         sink_end, window_start, offset = (int(x) for x in kv_window[b])
         j = np.arange(kv_len)
         valid = (j < sink_end) | (j >= window_start)
