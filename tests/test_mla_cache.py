@@ -186,3 +186,24 @@ def test_mla_drop_in_globals(target):
         out = tvm.runtime.empty((2, 3, D), "float32", dev)
         g("vm.builtin.attention_kv_cache_debug_get_kv_mla")(cache, 5, 0, 3, out)
     np.testing.assert_array_equal(out.numpy()[1], kv)
+
+
+def test_mla_split_decode(target):
+    """Flash-decoding over the latent rows (decode_splits=4: chunks of 32 keys merged) equals plain
+    attention; the repeat-decode fast path keeps the split."""
+    rng = np.random.default_rng(3)
+    cache = _cache(target, decode_splits=4)
+    ref = _Mla(rng)
+    for s in (0, 1):
+        cache.add_sequence(s)
+    _step(cache, ref, rng, [(0, 25), (1, 7)], "float32")
+    _step(cache, ref, rng, [(0, 25), (1, 2)], "float32")
+    for _ in range(3):
+        cache.begin_forward([0, 1], [1, 1])
+        info = cache.debug_forward()
+        cache.end_forward()
+        cache.pop_n(0, 1)
+        cache.pop_n(1, 1)
+        assert info.num_splits > 1
+        _step(cache, ref, rng, [(0, 1), (1, 1)], "float32")
+    cache.check_integrity()

@@ -799,6 +799,15 @@ class PagedAttentionKVCache:
                 if not include_new
                 else (d["page_indptr"], d["page_indices"], d["last_page_len"])
             )
+            split = fwd.decode_split
+            if include_new and split.num_splits > 1:  # flash-decoding: a partial state per key chunk, merged
+                o_part, lse_part = fwd.parts
+                self.kernels["mla_attention_split"](
+                    q_dev, d["q_indptr"], d["q_pos"], self.pages[layer], *tables, d["kv_window"],
+                    o_part, lse_part, sm_scale, 1, split.kv_chunk,
+                )  # fmt: skip
+                self.kernels["mla_merge_splits"](o_part, lse_part, o_dev, lse_dev)
+                return self._deliver(o_dev, out, kind), self._deliver(lse_dev, lse, kind)
             self.kernels["mla_attention"](
                 q_dev,
                 d["q_indptr"],

@@ -74,7 +74,10 @@ class Launcher:
         import tvm
 
         self.config, self.device, self.kernels, self.num_sms = config, device, kernels, num_sms
-        self.granule = split_granule(config.kernel_spec) if "paged_decode_split" in kernels else None
+        if config.is_mla:  # blocks of 16 heads per query row (tvmkv.tir.mla), tiles of 32 latent rows
+            self.granule = (-(-config.num_qo_heads // 16), 32) if "mla_attention_split" in kernels else None
+        else:
+            self.granule = split_granule(config.kernel_spec) if "paged_decode_split" in kernels else None
         if self.granule is None and (config.decode_splits or 1) > 1:
             raise ValueError(
                 f"decode_splits={config.decode_splits}: this configuration has no split decode kernel (head_dim "
@@ -126,16 +129,17 @@ class Launcher:
         import tvm
 
         cfg = self.config
+        dim = cfg.kv_lora_rank if cfg.is_mla else cfg.head_dim  # the output's head dim
         rows = split.num_splits * batch
         if self._part_bufs is None or self._part_bufs[1].shape[0] < rows:
             rows_cap = max(rows, 2 * self._part_bufs[1].shape[0] if self._part_bufs else 0)
             self._part_bufs = (
-                tvm.runtime.empty((rows_cap, cfg.num_qo_heads, cfg.head_dim), "float32", self.device),
+                tvm.runtime.empty((rows_cap, cfg.num_qo_heads, dim), "float32", self.device),
                 tvm.runtime.empty((rows_cap, cfg.num_qo_heads), "float32", self.device),
             )
         o_buf, lse_buf = self._part_bufs
         return (
-            o_buf._create_view((split.num_splits, batch, cfg.num_qo_heads, cfg.head_dim)),
+            o_buf._create_view((split.num_splits, batch, cfg.num_qo_heads, dim)),
             lse_buf._create_view((split.num_splits, batch, cfg.num_qo_heads)),
         )
 
@@ -174,8 +178,8 @@ class Launcher:
         """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
         cfg, d, lib = self.config, dev, self.kernels
         rope = (cfg.rope_scale, cfg.rope_theta)
-        if cfg.is_mla:  # only the index arrays: MLA's calls bind their kernels themselves
-            return Forward(
+        if cfg.is_mla:  # only the index arrays (and a split decode's buffers): MLA's calls launch themselves
+            fwd = Forward(
                 seq_ids=seq_ids,
                 lengths=lengths,
                 total=total,
@@ -186,6 +190,10 @@ class Launcher:
                 attn_end=(None, *rope),
                 slot=slot,
             )
+            if decode_split.num_splits > 1:
+                fwd.decode_split = decode_split
+                fwd.parts = self._split_parts(decode_split, total)
+            return fwd
         s = self.scratch(total)
         fwd = Forward(
             seq_ids=seq_ids,
