@@ -5,6 +5,9 @@
 - :class:`TvmBuiltinOverride`: drop-in for TVM's ``PagedKVCache`` interface (``vm.builtin.*``).
 - :mod:`tvmkv.relax.llama` / :mod:`tvmkv.relax.torch_ref`: a tiny Llama-style decoder and its
   cache-free PyTorch reference.
+- :mod:`tvmkv.relax.gemma` (per-layer sliding windows, shared-KV layers) and
+  :mod:`tvmkv.relax.deepseek` (MLA: append_mla_kv, self / cross attention, merge), each with its
+  config module, ``*_nn`` model and ``*_torch_ref`` reference, on both interfaces.
 """
 
 from .builtins import ATTENTION_FUNC, UNSUPPORTED, TvmBuiltinOverride, register
