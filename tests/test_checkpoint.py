@@ -660,3 +660,30 @@ def test_move_and_checkpoint_between_gpu_and_cpu_caches():
     np.testing.assert_array_equal(gpu.debug_get_kv(4)[0], _k(both))
     gpu.check_integrity()
     cpu.check_integrity()
+
+
+def test_transfer_moves_an_mla_sequence():
+    """MLA caches move their latent pages the same way; the moved rows equal the appended ones, and a
+    cache of another kv_lora_rank is refused by name."""
+    import tvmkv
+    from tvmkv.runtime import transfer
+
+    def mk(rank=32):
+        return tvmkv.PagedAttentionKVCache.mla(
+            2, 4, rank, 16, page_size=4, max_batch_size=4, max_total_seq_len=64, prefill_chunk_size=32,
+            dtype="float32", mla_self_dims=(32, 16),
+        )  # fmt: skip
+
+    a, b = mk(), mk()
+    a.add_sequence(0)
+    a.begin_forward([0], [6])
+    kv = np.random.default_rng(0).standard_normal((6, 48)).astype(np.float32)
+    for layer in (0, 1):
+        a.append_mla_kv(layer, kv)
+    a.end_forward()
+    with pytest.raises(ValueError, match="head_dim is 48 on the sender but 64"):
+        transfer.move_sequence(a, 0, mk(48))
+    transfer.move_sequence(a, 0, b)
+    np.testing.assert_array_equal(b.debug_get_kv_mla(0)[1], kv)
+    a.check_integrity()
+    b.check_integrity()

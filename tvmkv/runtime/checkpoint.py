@@ -322,7 +322,8 @@ def _view(t, first: int, count: int, page_shape: tuple, page_bytes: int):
 
 
 def copy_pages(cache, src, src_ids, dst, dst_ids) -> None:
-    """Copy whole pages ``src[src_ids[i]] -> dst[dst_ids[i]]`` of ``cache``'s page shape ``[2, H_kv, P, D]``.
+    """Copy whole pages ``src[src_ids[i]] -> dst[dst_ids[i]]`` of ``cache``'s page shape (``[2, H_kv, P, D]``;
+    an MLA cache's ``[P, D]``, docs/layout.md "MLA pages").
 
     ``src`` / ``dst`` are contiguous tvm tensors whose memory is a sequence of such pages (a layer's
     pool ``[num_pages, 2, H_kv, P, D]`` or a page group ``[1, m, 2, H_kv, P, D]``), on any devices: each
@@ -330,7 +331,7 @@ def copy_pages(cache, src, src_ids, dst, dst_ids) -> None:
     the devices differ). Ids are not checked here.
     """
     cfg = cache.config
-    page_shape = (2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
+    page_shape = cfg.page_shape[1:]
     src_ids = np.asarray(src_ids, np.int64)
     dst_ids = np.asarray(dst_ids, np.int64)
     for s, d, n in _runs(src_ids, dst_ids):

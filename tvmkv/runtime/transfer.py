@@ -35,6 +35,7 @@ __all__ = ["Receive", "check_compatible", "move_sequence", "prepare_receive", "s
 _FIELDS = (
     *("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype"),
     *("rope_mode", "rope_scale", "rope_theta", "rotary_dim", "rope_scaling"),
+    *("kv_lora_rank", "qk_rope_head_dim"),  # MLA caches move their latent pages the same way
 )
 
 
@@ -48,9 +49,9 @@ def check_compatible(sender, receiver) -> None:
                 "receiver; both caches must store the same K/V layout"
             )
     a, b = tuple(sender.pages[0].shape[1:]), tuple(receiver.pages[0].shape[1:])
-    if a != b or len(a) != 4:
+    if a != b:
         raise ValueError(
-            f"cannot move a sequence between pages of shape {a} (sender) and {b} (receiver); MHA pages only"
+            f"cannot move a sequence between pages of shape {a} (sender) and {b} (receiver)"
         )
 
 
