@@ -466,11 +466,11 @@ def test_abandoned_imports_free_their_pages():
     checkpoint.prepare_import(dst, 2, ckpt.metadata)
     for g in range(L):
         checkpoint.import_page_group(dst, 2, g, ckpt.groups[g])
-    dst.add_sequence(2)  # the id is taken behind the import's back
-    with pytest.raises(KeyError, match="added to the cache while its import was pending"):
-        checkpoint.finish_import(dst, 2)
+    with pytest.raises(KeyError, match="an import into it is in progress"):
+        dst.add_sequence(2)  # the id is reserved while its import is pending
     checkpoint.abort_import(dst, 2)
-    assert dst.num_available_pages() == 5 and dst.sequence_ids() == [2]
+    assert dst.num_available_pages() == 5 and dst.sequence_ids() == []
+    dst.add_sequence(2)  # free again
     dst.check_integrity()
 
 
@@ -687,3 +687,22 @@ def test_transfer_moves_an_mla_sequence():
     np.testing.assert_array_equal(b.debug_get_kv_mla(0)[1], kv)
     a.check_integrity()
     b.check_integrity()
+
+
+def test_pending_import_id_is_reserved_and_remove_abandons_it():
+    """While an import is pending its id cannot be added, forked into or forwarded (each error says an
+    import is in progress), and ``remove_sequence`` on it abandons the import and frees its pages."""
+    from tvmkv.runtime import checkpoint
+
+    src, dst = _cache(), _cache()
+    _fill(src, 0, _rows(9, 0))
+    free = dst.num_available_pages()
+    checkpoint.prepare_import(dst, 4, checkpoint.checkpoint_metadata(src, 0))
+    dst.add_sequence(1)
+    for call in (lambda: dst.add_sequence(4), lambda: dst.fork_sequence(1, 4), lambda: dst.begin_forward([4], [1])):
+        with pytest.raises(KeyError, match="import"):
+            call()
+    dst.remove_sequence(4)
+    assert dst.num_available_pages() == free and checkpoint.pending_imports(dst) == []
+    dst.add_sequence(4)  # the id is free again
+    dst.check_integrity()

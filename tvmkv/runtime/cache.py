@@ -372,6 +372,10 @@ class PagedAttentionKVCache:
         """Remove ``seq_id``; its pages return to the free list once nothing else holds them (a swapped-out
         sequence drops its host copy)."""
         seq_id = check_id(seq_id)
+        if seq_id in self._table.reserved:  # an import in progress: removing it abandons the import
+            self.require_no_forward("remove_sequence")
+            self._table.reserved[seq_id][1]()
+            return
         if seq_id not in self._table.swapped:
             self._table.get(seq_id)
         self.require_no_forward("remove_sequence")
@@ -1223,6 +1227,19 @@ class PagedAttentionKVCache:
             problems += self._repeat.check()
         if problems:
             raise IntegrityError("; ".join(problems))
+
+    # ------------------------------------------------------------------ reserved ids (imports)
+    def reserve_sequence_id(self, seq_id, what: str, abandon) -> None:
+        """Claim the unused ``seq_id`` for something in progress (an import, :mod:`.checkpoint` /
+        :mod:`.transfer`): until :meth:`release_sequence_id`, adding it, forking into it or a forward on
+        it raise an error that says ``what``, and ``remove_sequence(seq_id)`` calls ``abandon()`` (which
+        must release the claim). ``clear()`` drops every claim."""
+        seq_id = self._table.check_new(seq_id)
+        self._table.reserved[seq_id] = (str(what), abandon)
+
+    def release_sequence_id(self, seq_id) -> None:
+        """Drop the claim of :meth:`reserve_sequence_id` on ``seq_id`` (no-op without one)."""
+        self._table.reserved.pop(check_id(seq_id), None)
 
     # ------------------------------------------------------------------ page holders (prefix cache)
     def attach_page_holder(self, holder: PageHolder) -> None:

@@ -47,6 +47,7 @@ ValueError / TypeError naming the field or tensor with both values, OutOfPagesEr
 from __future__ import annotations
 
 import json
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -155,6 +156,15 @@ class ImportReservations:
             )
         rec = PendingImport(seq_id, length, cache.pool.alloc(m), cache.config.num_layers)
         self.pending[seq_id] = rec
+        cache_ref = weakref.ref(cache)  # no cycle cache -> table -> callback -> cache
+
+        def abandon() -> None:  # cache.remove_sequence(seq_id) while pending
+            c = cache_ref()
+            if c is not None:
+                self.abort(c, rec)
+
+        what = f"an import into it is in progress; finish_import({seq_id}) or abort_import({seq_id}) it"
+        cache.reserve_sequence_id(seq_id, what, abandon)
         return rec
 
     def finish(self, cache, rec: PendingImport) -> None:
@@ -165,12 +175,8 @@ class ImportReservations:
                 f"the import of sequence {rec.seq_id} is missing page groups {missing}; import every layer "
                 "(import_page_group) before finishing"
             )
-        cache.require_no_forward("finishing an import")
-        if rec.seq_id in cache.sequence_ids() or rec.seq_id in cache.swapped_sequence_ids():
-            raise KeyError(
-                f"sequence {rec.seq_id} was added to the cache while its import was pending; remove it, or "
-                f"abort_import({rec.seq_id})"
-            )
+        cache.require_no_forward("finishing an import")  # (the id itself is reserved while pending)
+        cache.release_sequence_id(rec.seq_id)
         cache.add_sequence_with_pages(rec.seq_id, rec.pages, rec.length)  # one more reference each ...
         cache.pool.release(rec.pages)  # ... replaces the reservation's
         del self.pending[rec.seq_id]
@@ -179,6 +185,7 @@ class ImportReservations:
         """Free ``rec``'s pages (nothing when it is no longer pending)."""
         if self.pending.get(rec.seq_id) is rec:
             del self.pending[rec.seq_id]
+            cache.release_sequence_id(rec.seq_id)
             cache.pool.release(rec.pages)
 
 

@@ -171,6 +171,8 @@ class SequenceTable:
         self.page_size = page_size
         self.resident: dict = {}
         self.swapped: dict = {}  # seq id -> Sequence (no pages), in swap order
+        # ids claimed by something in progress (an import): seq id -> (what, abandon callback)
+        self.reserved: dict = {}
         self.version = 0
 
     # ------------------------------------------------------------------ lookups (ids checked)
@@ -183,6 +185,8 @@ class SequenceTable:
             if seq is None:
                 if seq_id in self.swapped:
                     raise SequenceSwappedError(seq_id)
+                if seq_id in self.reserved:
+                    raise KeyError(f"sequence {seq_id} is not usable yet: {self.reserved[seq_id][0]}")
                 raise KeyError(f"sequence {seq_id!r} is not in the cache; add it with add_sequence first")
         return seq
 
@@ -202,6 +206,8 @@ class SequenceTable:
         seq_id = check_id(seq_id, name)
         if seq_id in self.resident or seq_id in self.swapped:
             raise KeyError(f"{name} {seq_id} is already in the cache; remove it first or pick another id")
+        if seq_id in self.reserved:
+            raise KeyError(f"{name} {seq_id} is taken: {self.reserved[seq_id][0]}; pick another id")
         return seq_id
 
     def info(self, seq_id) -> SequenceInfo:
@@ -310,6 +316,7 @@ class SequenceTable:
     def clear(self) -> None:
         self.resident.clear()
         self.swapped.clear()
+        self.reserved.clear()
         self.version += 1
 
     # ------------------------------------------------------------------ integrity
