@@ -728,6 +728,9 @@ class PagedAttentionKVCache:
         sm_scale : float, optional
             Softmax scale, default ``head_dim ** -0.5``.
 
+        On an MLA cache (:meth:`mla`) this is the prefill's non-absorbed attention: q and k
+        ``[total_new_tokens, H, Dq]``, v and out ``[total_new_tokens, H, Dv]`` (``mla_self_dims``).
+
         Returns
         -------
         ``(o, lse)`` in the kind of ``q``.
@@ -769,6 +772,10 @@ class PagedAttentionKVCache:
             else False; that is what pairs with :meth:`self_attention` and
             :meth:`merge_attn_output_inplace` in a prefill.
 
+        On an MLA cache (:meth:`mla`) this is absorbed attention over the latent rows: q
+        ``[total_new_tokens, H, kv_lora_rank + qk_rope_head_dim]``, out ``[total_new_tokens, H,
+        kv_lora_rank]``.
+
         Returns
         -------
         ``(o, lse)`` in the kind of ``q``.
@@ -797,33 +804,7 @@ class PagedAttentionKVCache:
         if self._mla:  # absorbed MLA: V is the latent part of each stored row
             o_dev, lse_dev = self._outputs(out, lse, kind, (n, cfg.num_qo_heads, cfg.kv_lora_rank))
             q_dev = tensors.to_device(q, kind, self.device)
-            d = fwd.dev
-            tables = (
-                self._history_tables(fwd)
-                if not include_new
-                else (d["page_indptr"], d["page_indices"], d["last_page_len"])
-            )
-            split = fwd.decode_split
-            if include_new and split.num_splits > 1:  # flash-decoding: a partial state per key chunk, merged
-                o_part, lse_part = fwd.parts
-                self.kernels["mla_attention_split"](
-                    q_dev, d["q_indptr"], d["q_pos"], self.pages[layer], *tables, d["kv_window"],
-                    o_part, lse_part, sm_scale, 1, split.kv_chunk,
-                )  # fmt: skip
-                self.kernels["mla_merge_splits"](o_part, lse_part, o_dev, lse_dev)
-                return self._deliver(o_dev, out, kind), self._deliver(lse_dev, lse, kind)
-            self.kernels["mla_attention"](
-                q_dev,
-                d["q_indptr"],
-                d["q_pos"],
-                self.pages[layer],
-                *tables,
-                d["kv_window"],
-                o_dev,
-                lse_dev,
-                sm_scale,
-                1,
-            )
+            self._mla_cross_attention(fwd, layer, q_dev, o_dev, lse_dev, sm_scale, include_new)
             return self._deliver(o_dev, out, kind), self._deliver(lse_dev, lse, kind)
         o_dev, lse_dev = self._outputs(out, lse, kind, shape)
         q_dev = tensors.to_device(q, kind, self.device)
@@ -900,6 +881,23 @@ class PagedAttentionKVCache:
         self.kernels["mla_append"](self.pages[layer], tensors.to_device(kv, kind, self.device), fwd.dev["slots"])
         self._ran[layer] = self._step
         return self
+
+    def _mla_cross_attention(self, fwd: Forward, layer: int, q, o, lse, sm_scale: float, include_new: bool) -> None:
+        """Absorbed MLA attention of device ``q`` over layer ``layer``'s latent rows into ``o`` / ``lse``:
+        the forward's own page tables (split when the decode step is) or the history's."""
+        d = fwd.dev
+        if include_new:
+            tables = (d["page_indptr"], d["page_indices"], d["last_page_len"])
+        else:
+            tables = self._history_tables(fwd)
+        head = (q, d["q_indptr"], d["q_pos"], self.pages[layer], *tables, d["kv_window"])
+        split = fwd.decode_split
+        if include_new and split.num_splits > 1:  # flash-decoding: a partial state per key chunk, merged
+            o_part, lse_part = fwd.parts
+            self.kernels["mla_attention_split"](*head, o_part, lse_part, sm_scale, 1, split.kv_chunk)
+            self.kernels["mla_merge_splits"](o_part, lse_part, o, lse)
+        else:
+            self.kernels["mla_attention"](*head, o, lse, sm_scale, 1)
 
     def _mla_self_attention(self, fwd: Forward, q, k, v, out, lse, sm_scale: float):
         """MLA's non-absorbed self attention of a prefill (see :meth:`mla`)."""

@@ -50,9 +50,7 @@ def check_compatible(sender, receiver) -> None:
             )
     a, b = tuple(sender.pages[0].shape[1:]), tuple(receiver.pages[0].shape[1:])
     if a != b:
-        raise ValueError(
-            f"cannot move a sequence between pages of shape {a} (sender) and {b} (receiver)"
-        )
+        raise ValueError(f"cannot move a sequence between pages of shape {a} (sender) and {b} (receiver)")
 
 
 class Receive:
