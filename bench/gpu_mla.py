@@ -555,20 +555,26 @@ class CpuTimer:
 
 
 def make_timer(fn, cuda: bool, reps: int, budget_s: float):
-    """A timer for ``fn`` with at most ``reps`` and at least 10 repetitions, fewer when one call is long
-    (about ``budget_s`` seconds per timing)."""
+    """A timer for ``fn`` with at most ``reps`` repetitions, fewer when one call is long (about
+    ``budget_s`` seconds per timing): at least 10, or 3 for calls over 50 ms (TVM's slowest)."""
     import torch
 
     if not cuda:
         return CpuTimer(min(reps, 3))
-    fn()
+    fn()  # warm
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
+    fn()
     torch.cuda.synchronize()
-    est = (time.perf_counter() - t0) / 3
-    return CudaTimer(int(max(10, min(reps, budget_s / max(est, 1e-6)))))
+    est = time.perf_counter() - t0
+    if est < 0.05:
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        est = (time.perf_counter() - t0) / 3
+    floor = 10 if est < 0.05 else 3
+    return CudaTimer(int(max(floor, min(reps, budget_s / max(est, 1e-6)))))
 
 
 def copy_rate(nbytes: int, cuda: bool, reps: int) -> float:
