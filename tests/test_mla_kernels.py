@@ -27,8 +27,11 @@ CONFIGS = [
     ("float32", 8, 32, 16, 16, (32, 16)),
     ("bfloat16", 16, 64, 32, 4, (64, 32)),
     ("float16", 16, 512, 64, 16, (192, 128)),
+    ("float16", 32, 64, 32, 8, (32, 16)),
+    ("bfloat16", 64, 128, 32, 16, (32, 16)),
 ]
-IDS = ["f16-p4", "bf16-p16", "f32-p16", "bf16-h16-p4", "deepseek-f16"]  # cuda: the last two on tensor cores
+# cuda: the last four on tensor cores (h32 / h64: blocks of 32 / 64 heads, two / four m16 tiles)
+IDS = ["f16-p4", "bf16-p16", "f32-p16", "bf16-h16-p4", "deepseek-f16", "f16-h32-p8", "bf16-h64"]
 
 
 def _spec(target, cfg) -> MlaSpec:
@@ -313,6 +316,24 @@ def test_kernel_set_names():
     }
     assert set(mla.kernel_set(MlaSpec(8, 32, 16, 4, "float16", "llvm"))) == base
     assert set(mla.kernel_set(MlaSpec(8, 32, 16, 4, "float16", "cuda", 32, 16))) == base | {"ragged_attention_dv"}
+
+
+def test_tensor_core_options():
+    """The tensor-core schedule's block / stage options are checked, and the split granule
+    follows the block: 64 heads per block where H allows, 16 for H 16, the SIMT blocks elsewhere."""
+    from tvmkv.tir import mla
+
+    spec = MlaSpec(128, 512, 64, 16, "float16", "cuda")
+    for kwargs, word in (
+        (dict(tc_heads=24), "tc_heads"),
+        (dict(tc_stages=1), "tc_stages"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            mla.make_mla_attention(spec, **kwargs)
+    assert mla.mla_split_granule(spec) == (2, 32)
+    assert mla.mla_split_granule(MlaSpec(16, 512, 64, 16, "bfloat16", "cuda")) == (1, 32)
+    assert mla.mla_split_granule(MlaSpec(48, 512, 64, 16, "float16", "cuda")) == (1, 32)  # one 48-head block
+    assert mla.mla_split_granule(MlaSpec(24, 512, 64, 1, "float32", "cuda")) == (2, 32)  # SIMT: 12 heads
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

@@ -19,8 +19,10 @@ MHA (``slot = page_id * P + offset``). Kernels (TVM's names in parentheses):
 Schedules. llvm: ``T.parallel`` over work items; a key row is converted to fp32 once and used by all
 heads of the item. cuda ``mla_attention``, fp16 / bf16 with heads a multiple of 16 and ``D_v`` a
 multiple of 64 (:func:`use_tensor_cores`): tensor cores (``mma.sync.m16n8k16``, fp32 accumulation),
-one block per (query row, 16 heads), see the comment above ``gpu_tc_body``; on an H200 at DeepSeek-V2's
-shape (H 128, fp16) 4.3-4.6x faster than the SIMT schedule, which serves every other shape: one
+one block per (query row, up to ``TC_MAX_HEADS`` = 64 heads), P kept in registers, see the comment
+above ``gpu_tc_body`` (docs/layout.md, "MLA kernels"); on an H200 at DeepSeek-V2's shape (H 128, fp16,
+bench/gpu_mla_kernels.py) decode 64 x 4096 787 -> 476 us, 128 x 2048 799 -> 488 us (16-head blocks
+before; torch bmm 505 / 482 us). The SIMT schedule serves every other shape: one
 thread block per (query row, ``HB`` heads); each tile
 of ``TK = 32`` latent rows is copied into shared memory once (``cp.async``, double buffered: tile
 ``t + 1`` is in flight while tile ``t`` is used; rows padded so lane-per-key reads are conflict-free)
@@ -55,9 +57,14 @@ MMA = {
     "float16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
     "bfloat16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
 }
+CVT = {"float16": "cvt.rn.f16x2.f32", "bfloat16": "cvt.rn.bf16x2.f32"}  # two fp32 -> one packed register
+TC_MAX_HEADS = 64  # heads per block of the tensor-core mla_attention (a multiple of 16 dividing H)
+TC_STAGES = 2  # latent tiles in flight or in use per block of the tensor-core mla_attention
 QS_BYTES = 64 * 1024  # cap on the shared memory of the block's fp32 queries
 SMEM_BYTES = 200 * 1024  # double-buffer the latent tiles when both fit in this much shared memory
 MERGE_ROWS = 8  # (row, head) pairs per CUDA block of merge_any (one warp each)
+MERGE_THREADS = 128  # threads per (row, head) of cuda mla_merge_splits (over its Dm elements)
+MERGE_UNROLL = 4  # chunks per step of cuda mla_merge_splits (independent loads in flight per thread)
 
 SEQ = state_slots("b", "lo", "hi")  # a row's sequence b; lo, hi: bounds of its binary search
 # keys of a query row: kv_len, base (first page entry), window (sink_end, window_start, offset), the scan
@@ -71,6 +78,16 @@ def use_tensor_cores(spec: MlaSpec) -> bool:
     """Whether cuda ``mla_attention`` of ``spec`` takes the tensor-core schedule (fp16 / bf16, heads a
     multiple of 16, ``D_v`` a multiple of 64); other shapes use the SIMT schedule."""
     return spec.target_kind == "cuda" and spec.dtype in MMA and spec.num_heads % 16 == 0 and spec.latent_dim % 64 == 0
+
+
+def mla_split_granule(spec: MlaSpec) -> tuple:
+    """``(blocks_per_seq, tile_keys)`` of cuda ``mla_attention_split`` for ``spec``: the thread blocks one
+    query row's chunk runs and the keys per latent tile (what :func:`tvmkv.runtime.decode_split.plan_split`
+    takes): blocks of ``TC_MAX_HEADS`` heads at most on tensor cores, of ``HB`` heads on the SIMT schedule."""
+    if use_tensor_cores(spec):
+        return spec.num_heads // (16 * _divisor_at_most(spec.num_heads // 16, TC_MAX_HEADS // 16)), TK
+    H, D = spec.num_heads, spec.head_dim
+    return H // _divisor_at_most(H, min(GPU_HEADS, max(1, QS_BYTES // (4 * D)))), TK
 
 
 def _attrs(spec: MlaSpec) -> dict:
@@ -440,21 +457,45 @@ def make_mla_merge_splits(spec: MlaSpec):
 
     @macro
     def gpu_body():
-        # one warp per (row, head): lanes over Dm
-        bx = T.launch_thread("blockIdx.x", T.max((n * H + RY - 1) // RY, 1))  # max: no empty grid
-        ty = T.launch_thread("threadIdx.y", RY)
-        tx = T.launch_thread("threadIdx.x", WARP)
+        # one block of MERGE_THREADS per (row, head): each warp finds m and the weight sum over the
+        # chunks (lane c, c + 32, ...), then the threads spread over Dm, each summing its elements over
+        # the chunks in steps of MERGE_UNROLL independent loads (a chunk with lse -inf is not read)
+        bx = T.launch_thread("blockIdx.x", T.max(n * H, 1))  # max: no empty grid
+        tx = T.launch_thread("threadIdx.x", MERGE_THREADS)
         st = T.alloc_buffer((len(MS),), "float32", scope="local")
-        ih = T.meta_var(bx * RY + ty)
-        if ih < n * H:
-            max_and_sum(st, ih // H, ih % H)
-            for r in T.serial((Dm + WARP - 1) // WARP):
-                if r * WARP + tx < Dm:
-                    element(st, ih // H, ih % H, r * WARP + tx)
+        i = T.meta_var(bx // H)
+        h = T.meta_var(bx % H)
+        lane = T.meta_var(tx % WARP)
+        if bx < n * H:
+            st[MS.m] = neg_inf
+            for c0 in T.serial((S + WARP - 1) // WARP):
+                if c0 * WARP + lane < S:
+                    st[MS.m] = T.max(st[MS.m], lse_part[c0 * WARP + lane, i, h])
+            st[MS.m] = T.cuda.warp_reduce(st[MS.m], "max", WARP)
+            st[MS.w_sum] = T.float32(0)
+            if st[MS.m] != neg_inf:
+                for c0 in T.serial((S + WARP - 1) // WARP):
+                    if c0 * WARP + lane < S:
+                        if lse_part[c0 * WARP + lane, i, h] != neg_inf:
+                            st[MS.w_sum] = st[MS.w_sum] + T.exp2(lse_part[c0 * WARP + lane, i, h] - st[MS.m])
+            st[MS.w_sum] = T.cuda.warp_reduce(st[MS.w_sum], "sum", WARP)
+            for r in T.serial((Dm + MERGE_THREADS - 1) // MERGE_THREADS):
+                if r * MERGE_THREADS + tx < Dm:
+                    st[MS.acc] = T.float32(0)
+                    if st[MS.w_sum] != T.float32(0):
+                        for c0 in T.serial((S + MERGE_UNROLL - 1) // MERGE_UNROLL):
+                            for u in T.unroll(MERGE_UNROLL):
+                                st[MS.acc] = st[MS.acc] + T.if_then_else(
+                                    c0 * MERGE_UNROLL + u < S and lse_part[c0 * MERGE_UNROLL + u, i, h] != neg_inf,
+                                    o_part[c0 * MERGE_UNROLL + u, i, h, r * MERGE_THREADS + tx]
+                                    * T.exp2(lse_part[c0 * MERGE_UNROLL + u, i, h] - st[MS.m]),
+                                    T.float32(0),
+                                )
+                        o[i, h, r * MERGE_THREADS + tx] = T.Cast(dtype, st[MS.acc] / st[MS.w_sum])
+                    else:
+                        o[i, h, r * MERGE_THREADS + tx] = T.Cast(dtype, T.float32(0))
             if tx == 0:
-                lse[ih // H, ih % H] = T.if_then_else(
-                    st[MS.w_sum] == T.float32(0), neg_inf, st[MS.m] + T.log2(st[MS.w_sum])
-                )
+                lse[i, h] = T.if_then_else(st[MS.w_sum] == T.float32(0), neg_inf, st[MS.m] + T.log2(st[MS.w_sum]))
 
     return mla_merge_splits_func(spec, cpu_body if spec.is_cpu else gpu_body)
 
@@ -544,7 +585,14 @@ def mla_attention_func(spec: MlaSpec, body, *, split: bool = False):
     return mla_attention
 
 
-def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool = True):
+def make_mla_attention(
+    spec: MlaSpec,
+    *,
+    split: bool = False,
+    tensor_cores: bool = True,
+    tc_heads: int | None = None,
+    tc_stages: int | None = None,
+):
     """``mla_attention(q, q_indptr, q_pos, pages, page_indptr, page_indices, last_page_len, kv_window,
     o, lse, sm_scale, causal)``: absorbed MLA attention of ragged query rows over the paged latent rows.
 
@@ -585,7 +633,10 @@ def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool
     ``lse_part[c, i]`` ([S, n, H]; ``-inf`` and ``o_part = 0`` when it sees no key);
     ``mla_merge_splits`` folds the ``S`` chunks into ``o`` / ``lse``. The caller chooses ``S`` and
     ``kv_chunk`` with ``S * kv_chunk >= kv_len`` of every sequence (``kv_chunk`` a multiple of 32 keeps
-    the tiles full). ``tensor_cores=False`` forces the SIMT cuda schedule.
+    the tiles full). ``tensor_cores=False`` forces the SIMT cuda schedule; ``tc_heads`` (a multiple of 16
+    dividing H) and ``tc_stages`` (>= 2) override the tensor-core schedule's heads per block (default: the
+    largest of at most ``TC_MAX_HEADS``) and latent-tile stages (``TC_STAGES``); :func:`mla_split_granule`
+    gives the split granule of the defaults.
     """
     H, D, Dv, P, dtype = spec.num_heads, spec.head_dim, spec.latent_dim, spec.page_size, spec.dtype
     LOGP = P.bit_length() - 1
@@ -886,27 +937,37 @@ def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool
                         store_lse(ch, i, h0 + ty * HPW + g, m[g] + T.log2(d_sum[g]))
 
     # ------------------------------------------------------------------ cuda, tensor cores
-    # Block = (query row, 16 heads: one m16 tile), 4 warps. Per tile of TK = 32 latent rows (cp.async,
-    # double buffered, rows padded to D + 8 so ldmatrix phases hit distinct banks): warp w computes the
-    # partial S[16 heads, 32 keys] = Q K^T over its quarter of the k16 steps of D with mma.m16n8k16
-    # (A = its Q fragments, loaded into registers once; B = the rows), into shared Ss[w]; warp w then
-    # runs the online softmax of heads 4w .. 4w + 3 on the summed, scaled scores (lane = key) and
-    # writes P (cache dtype) and each head's rescale factor; finally warp w accumulates
-    # O[16 heads, its D_v / 4 columns] += P V with mma (B = the same rows through ldmatrix.trans).
-    TC_HEADS = 16
-    NWT = 4  # warps
+    # Block = (query row, HBT = 16 * TCM heads: TCM m16 tiles), 4 * TCM warps; warp w = (head tile
+    # mg = w // 4, quarter cq = w % 4). Latent tiles of TK = 32 rows by cp.async into an NST-stage ring
+    # (rows padded to D + 8 so ldmatrix phases hit distinct banks), shared by every head of the block.
+    # Per tile: warp (mg, cq) computes the partial S[16 heads, 32 keys] = Q K^T over k16 steps cq,
+    # cq + 4, ... of D with mma.m16n8k16 (A = its Q fragments, in registers for the whole kernel), and
+    # stores it in fragment order (conflict-free); after one barrier each of the 4 warps of a head tile
+    # sums the 4 partials of its own fragment positions, so all of them hold the same scores in the
+    # mma accumulator layout and run the same online softmax in registers (rows g, g + 8 of a thread;
+    # 4 lanes share a row: two shuffles, the row sum stays per thread until the end); P stays in
+    # registers as the A fragment of O[16 heads, D_v / 4 columns of quarter cq] += P V (B = the same
+    # latent rows through ldmatrix.trans). Two barriers per tile.
+    if tc_heads is not None and (tc_heads <= 0 or tc_heads % 16 or H % tc_heads):
+        raise ValueError(f"tc_heads={tc_heads}: give a multiple of 16 that divides num_heads {H}, e.g. 16")
+    if tc_stages is not None and tc_stages < 2:
+        raise ValueError(f"tc_stages={tc_stages}: the tensor-core schedule needs at least 2 stages; pass 2")
+    TCM = (tc_heads or 16 * _divisor_at_most(max(H // 16, 1), TC_MAX_HEADS // 16)) // 16
+    NST = tc_stages or TC_STAGES
+    HBT = 16 * TCM  # heads per block
+    NBT = H // HBT  # blocks per query row
+    NWT = 4 * TCM  # warps
     NTT = NWT * WARP
-    DVW = Dv // NWT  # output columns per warp
+    DVW = Dv // 4  # output columns per warp
     DNT = DVW // 8  # n8 output tiles per warp
     KD = D // 16  # k16 steps of Q K^T
-    KQ = (KD + 3) // 4  # k16 steps per warp (warp w takes steps w, w + 4, ...)
+    KQ = (KD + 3) // 4  # k16 steps per warp (quarter cq takes steps cq, cq + 4, ...)
     CPRT = D // 8  # 16-byte chunks per row
     KS2 = D + 8  # shared row stride (elements) of the latent tiles and of Q
-    PS2 = TK + 8  # shared row stride of P
     TILE2_WORDS = TK * KS2 // 2
-    NS2 = 2 if (2 * TILE2_WORDS + TC_HEADS * KS2 // 2) * 4 <= SMEM_BYTES else 1
-    HPWT = TC_HEADS // NWT  # softmax heads per warp
+    QS_WORDS = max(HBT * KS2 // 2, 4 * TCM * 16 * WARP)  # Q, then (once in registers) the partial scores
     mma = MMA.get(dtype)
+    cvt = CVT.get(dtype)
 
     @macro
     def issue_tile_tc(Ks, Kid, slot_stage, stage):
@@ -923,43 +984,45 @@ def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool
                     ),
                     16,
                 )
-        T.ptx["cp.async.commit_group"]()
 
     @macro
     def gpu_tc_body():
-        bx = T.launch_thread("blockIdx.x", T.max(n * (H // TC_HEADS) * NSPLIT, 1))  # max: no empty grid
+        bx = T.launch_thread("blockIdx.x", T.max(n * NBT * NSPLIT, 1))  # max: no empty grid
         tx = T.launch_thread("threadIdx.x", NTT)
         ch = T.meta_var(bx % NSPLIT)  # the chunk (split; chunks of a row side by side)
-        i = T.meta_var(bx // NSPLIT // (H // TC_HEADS))
-        h0 = T.meta_var(bx // NSPLIT % (H // TC_HEADS) * TC_HEADS)
+        i = T.meta_var(bx // NSPLIT // NBT)
+        h0 = T.meta_var(bx // NSPLIT % NBT * HBT)
         w = T.meta_var(tx // WARP)
+        mg = T.meta_var(tx // WARP // 4)
+        cq = T.meta_var(tx // WARP % 4)
         lane = T.meta_var(tx % WARP)
         tid = T.meta_var(tx)
-        smem = T.alloc_buffer((NS2 * TILE2_WORDS + TC_HEADS * KS2 // 2,), "float32", scope="shared.dyn")
-        Ks = T.decl_buffer((NS2, TK, KS2), dtype, data=smem.data, scope="shared.dyn")
-        Qs = T.decl_buffer(
-            (TC_HEADS, KS2), dtype, data=smem.data, elem_offset=NS2 * TILE2_WORDS * 2, scope="shared.dyn"
+        smem = T.alloc_buffer((NST * TILE2_WORDS + QS_WORDS,), "float32", scope="shared.dyn")
+        Ks = T.decl_buffer((NST, TK, KS2), dtype, data=smem.data, scope="shared.dyn")
+        Qs = T.decl_buffer((HBT, KS2), dtype, data=smem.data, elem_offset=NST * TILE2_WORDS * 2, scope="shared.dyn")
+        # partial scores [quarter, head tile, n8 tile * 4 + reg, lane] over Q's space
+        Ss = T.decl_buffer(
+            (4, TCM, 16, WARP), "float32", data=smem.data, elem_offset=NST * TILE2_WORDS, scope="shared.dyn"
         )
-        Ss = T.alloc_buffer((NWT, TC_HEADS, TK), "float32", scope="shared")  # partial scores of each warp
-        Ps = T.alloc_buffer((TC_HEADS, PS2), dtype, scope="shared")  # probabilities of the tile
-        Al = T.alloc_buffer((2, TC_HEADS), "float32", scope="shared")  # per head: rescale, then final sum
-        Kid = T.alloc_buffer((3, TK), "int32", scope="shared")
-        Kvis = T.alloc_buffer((3, TK), "int32", scope="shared")
+        Kid = T.alloc_buffer((NST + 1, TK), "int32", scope="shared")  # slots of tile t at t % (NST + 1)
+        Kvis = T.alloc_buffer((NST + 1, TK), "int32", scope="shared")
         seq = T.alloc_buffer((len(SEQ),), "int32", scope="local")
         kr = T.alloc_buffer((len(KEYS),), "int32", scope="local")
-        af = T.alloc_buffer((4,), "uint32", scope="local")
         bf = T.alloc_buffer((4,), "uint32", scope="local")
-        sacc = T.alloc_buffer((TK // 8, 4), "float32", scope="local")
+        pf = T.alloc_buffer((TK // 16, 4), "uint32", scope="local")  # P as the A fragments of P V
+        sacc = T.alloc_buffer((TK // 8, 4), "float32", scope="local")  # scores, then probabilities
         qf = T.alloc_buffer((KQ, 4), "uint32", scope="local")  # this warp's Q fragments, for every tile
         o_acc = T.alloc_buffer((DNT, 4), "float32", scope="local")
-        m = T.alloc_buffer((HPWT,), "float32", scope="local")
-        d_sum = T.alloc_buffer((HPWT,), "float32", scope="local")
-        st = T.alloc_buffer((len(SOFT),), "float32", scope="local")
+        m = T.alloc_buffer((2,), "float32", scope="local")  # running max of rows g, g + 8 (log2 units)
+        lsum = T.alloc_buffer((2,), "float32", scope="local")  # this thread's part of the row sums
+        mx = T.alloc_buffer((2,), "float32", scope="local")
+        base = T.alloc_buffer((2,), "float32", scope="local")
+        alpha = T.alloc_buffer((2,), "float32", scope="local")
         if i < n:
             find_sequence(seq, i)
             key_range(kr, seq, i, ch)
-            for r in T.serial((TC_HEADS * CPRT + NTT - 1) // NTT):
-                if r * NTT + tx < TC_HEADS * CPRT:
+            for r in T.serial((HBT * CPRT + NTT - 1) // NTT):
+                if r * NTT + tx < HBT * CPRT:
                     T.ptx[CP16](
                         Qs.ptr_to([(r * NTT + tx) // CPRT, (r * NTT + tx) % CPRT * 8]),
                         q.ptr_to([i, h0 + (r * NTT + tx) // CPRT, (r * NTT + tx) % CPRT * 8]),
@@ -969,51 +1032,50 @@ def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool
             kr[KEYS.start] = 0
             kr[KEYS.end] = 0
         T.ptx["cp.async.commit_group"]()
-        for g in T.unroll(HPWT):
-            m[g] = T.float32(NEG_INF)
-            d_sum[g] = T.float32(0)
+        for h in T.unroll(2):
+            m[h] = T.float32(NEG_INF)
+            lsum[h] = T.float32(0)
         for dn in T.unroll(DNT):
             for r in T.unroll(4):
                 o_acc[dn, r] = T.float32(0)
-        if kr[KEYS.end] > kr[KEYS.start]:
-            tile_slots(kr, Kid, Kvis, i, 0, 0)
-            tile_slots(kr, Kid, Kvis, i, 1, 1)
+        for s in T.unroll(NST):
+            if kr[KEYS.start] + s * TK < kr[KEYS.end]:
+                tile_slots(kr, Kid, Kvis, i, s, s)
         T.tvm_storage_sync("shared")
-        if kr[KEYS.end] > kr[KEYS.start]:
-            issue_tile_tc(Ks, Kid, 0, 0)
-        # the warp's Q fragments (k16 steps w, w + NWT, ...) into registers once Q has arrived (and
-        # nothing is in flight when there is no tile)
-        if kr[KEYS.end] > kr[KEYS.start]:
-            T.ptx["cp.async.wait_group"](1)
-        else:
-            T.ptx["cp.async.wait_group"](0)
+        # tiles 0 .. NST - 2 in flight; one commit group per tile, empty ones too, so that
+        # wait_group(NST - 2) at tile t always means "tile t has landed"
+        for s in T.unroll(NST - 1):
+            if kr[KEYS.start] + s * TK < kr[KEYS.end]:
+                issue_tile_tc(Ks, Kid, s, s)
+            T.ptx["cp.async.commit_group"]()
+        T.ptx["cp.async.wait_group"](NST - 1)  # Q has landed
         T.tvm_storage_sync("shared")
         for c in T.unroll(KQ):
-            if c * NWT + w < KD:
+            if c * 4 + cq < KD:
                 T.ptx[LDSM](
-                    qf[c, 0], qf[c, 1], qf[c, 2], qf[c, 3], Qs.ptr_to([lane % 16, (c * NWT + w) * 16 + lane // 16 * 8])
+                    qf[c, 0],
+                    qf[c, 1],
+                    qf[c, 2],
+                    qf[c, 3],
+                    Qs.ptr_to([mg * 16 + lane % 16, (c * 4 + cq) * 16 + lane // 16 * 8]),
                 )
         for t in T.serial((kr[KEYS.end] - kr[KEYS.start] + TK - 1) // TK):
-            if NS2 == 2:
-                if kr[KEYS.start] + (t + 1) * TK < kr[KEYS.end]:
-                    issue_tile_tc(Ks, Kid, (t + 1) % 3, (t + 1) % 2)
-                    T.ptx["cp.async.wait_group"](1)
-                else:
-                    T.ptx["cp.async.wait_group"](0)
-            else:
-                T.ptx["cp.async.wait_group"](0)
-            if kr[KEYS.start] + (t + 2) * TK < kr[KEYS.end]:
-                tile_slots(kr, Kid, Kvis, i, t + 2, (t + 2) % 3)
+            T.ptx["cp.async.wait_group"](NST - 2)
+            # every thread's copies of tile t have landed; after the barrier: everyone's, and tile
+            # t - 1 (its stage, slots and the partial scores) is no longer read
             T.tvm_storage_sync("shared")
-            ks = T.meta_var(t % NS2)
-            ss = T.meta_var(t % 3)
-            # partial S over the k16 steps kk = c * NWT + w of this warp, all TK keys (independent
-            # accumulators per n8 key tile), summed over the warps through shared memory
+            if kr[KEYS.start] + (t + NST - 1) * TK < kr[KEYS.end]:
+                issue_tile_tc(Ks, Kid, (t + NST - 1) % (NST + 1), (t + NST - 1) % NST)
+            T.ptx["cp.async.commit_group"]()
+            if kr[KEYS.start] + (t + NST) * TK < kr[KEYS.end]:
+                tile_slots(kr, Kid, Kvis, i, t + NST, (t + NST) % (NST + 1))
+            ks = T.meta_var(t % NST)
+            ss = T.meta_var(t % (NST + 1))
             for nt in T.unroll(TK // 8):
                 for r in T.unroll(4):
                     sacc[nt, r] = T.float32(0)
             for c in T.unroll(KQ):
-                if c * NWT + w < KD:
+                if c * 4 + cq < KD:
                     for np2 in T.unroll(TK // 16):
                         T.ptx[LDSM](
                             bf[0],
@@ -1021,7 +1083,7 @@ def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool
                             bf[2],
                             bf[3],
                             Ks.ptr_to(
-                                [ks, np2 * 16 + lane // 16 * 8 + lane % 8, (c * NWT + w) * 16 + lane // 8 % 2 * 8]
+                                [ks, np2 * 16 + lane // 16 * 8 + lane % 8, (c * 4 + cq) * 16 + lane // 8 % 2 * 8]
                             ),
                         )
                         for half in T.unroll(2):
@@ -1043,45 +1105,53 @@ def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool
                             )
             for nt in T.unroll(TK // 8):
                 for r in T.unroll(4):
-                    Ss[w, lane // 4 + 8 * (r // 2), nt * 8 + lane % 4 * 2 + r % 2] = sacc[nt, r]
+                    Ss[cq, mg, nt * 4 + r, lane] = sacc[nt, r]
             T.tvm_storage_sync("shared")
-            # online softmax of heads 4w .. 4w + 3 over the tile (lane = key)
-            for g in T.unroll(HPWT):
-                st[SOFT.s] = T.if_then_else(
-                    Kvis[ss, lane] == 1,
-                    (
-                        (Ss[0, w * HPWT + g, lane] + Ss[1, w * HPWT + g, lane])
-                        + (Ss[2, w * HPWT + g, lane] + Ss[3, w * HPWT + g, lane])
-                    )
-                    * (sm_scale * T.float32(LOG2E)),
-                    T.float32(NEG_INF),
-                )
-                st[SOFT.m_new] = T.max(m[g], T.cuda.warp_reduce(st[SOFT.s], "max", WARP))
-                if st[SOFT.m_new] > T.float32(NEG_INF):
-                    st[SOFT.alpha] = T.exp2(m[g] - st[SOFT.m_new])
-                    st[SOFT.p] = T.exp2(st[SOFT.s] - st[SOFT.m_new])
-                else:
-                    st[SOFT.alpha] = T.float32(1)
-                    st[SOFT.p] = T.float32(0)
-                d_sum[g] = d_sum[g] * st[SOFT.alpha] + T.cuda.warp_reduce(st[SOFT.p], "sum", WARP)
-                m[g] = st[SOFT.m_new]
-                Ps[w * HPWT + g, lane] = T.Cast(dtype, st[SOFT.p])
-                if lane == 0:
-                    Al[0, w * HPWT + g] = st[SOFT.alpha]
-            T.tvm_storage_sync("shared")
-            # O[:, columns of warp w] = O * alpha + P V
-            for dn in T.unroll(DNT):
+            # the summed scores of this thread's fragment positions (key nt * 8 + 2 (lane % 4) + r % 2),
+            # scaled to log2 units; keys that are not visible: -inf
+            for nt in T.unroll(TK // 8):
                 for r in T.unroll(4):
-                    o_acc[dn, r] = o_acc[dn, r] * Al[0, lane // 4 + 8 * (r // 2)]
+                    sacc[nt, r] = T.if_then_else(
+                        Kvis[ss, nt * 8 + lane % 4 * 2 + r % 2] == 1,
+                        (
+                            (Ss[0, mg, nt * 4 + r, lane] + Ss[1, mg, nt * 4 + r, lane])
+                            + (Ss[2, mg, nt * 4 + r, lane] + Ss[3, mg, nt * 4 + r, lane])
+                        )
+                        * (sm_scale * T.float32(LOG2E)),
+                        T.float32(NEG_INF),
+                    )
+            # online softmax: regs 0, 1 -> row g, regs 2, 3 -> row g + 8; a row with no visible key so far
+            # subtracts a finite base (p = 0, alpha = 0 on an all-zero state)
+            for h in T.unroll(2):
+                mx[h] = T.max(sacc[0, 2 * h], sacc[0, 2 * h + 1])
+                for nt in T.unroll(1, TK // 8):
+                    mx[h] = T.max(mx[h], T.max(sacc[nt, 2 * h], sacc[nt, 2 * h + 1]))
+                mx[h] = T.max(m[h], T.cuda.warp_reduce(mx[h], "max", 4))  # 4 lanes share a row
+                base[h] = T.if_then_else(mx[h] == T.float32(NEG_INF), T.float32(0), mx[h])
+                alpha[h] = T.exp2(m[h] - base[h])
+                m[h] = mx[h]
+                lsum[h] = lsum[h] * alpha[h]
+                for nt in T.unroll(TK // 8):
+                    for c in T.unroll(2):
+                        sacc[nt, 2 * h + c] = T.exp2(sacc[nt, 2 * h + c] - base[h])
+                        lsum[h] = lsum[h] + sacc[nt, 2 * h + c]
+                for dn in T.unroll(DNT):
+                    for c in T.unroll(2):
+                        o_acc[dn, 2 * h + c] = o_acc[dn, 2 * h + c] * alpha[h]
+            # O += P V: S tiles (2kk, 2kk + 1) are the A fragment of key step kk
             for kk in T.unroll(TK // 16):
-                T.ptx[LDSM](af[0], af[1], af[2], af[3], Ps.ptr_to([lane % 16, kk * 16 + lane // 16 * 8]))
+                T.ptx[cvt](pf[kk, 0], sacc[2 * kk, 1], sacc[2 * kk, 0])  # hi, lo
+                T.ptx[cvt](pf[kk, 1], sacc[2 * kk, 3], sacc[2 * kk, 2])
+                T.ptx[cvt](pf[kk, 2], sacc[2 * kk + 1, 1], sacc[2 * kk + 1, 0])
+                T.ptx[cvt](pf[kk, 3], sacc[2 * kk + 1, 3], sacc[2 * kk + 1, 2])
+            for kk in T.unroll(TK // 16):
                 for nj in T.unroll(DNT // 2):
                     T.ptx[LDSM_T](
                         bf[0],
                         bf[1],
                         bf[2],
                         bf[3],
-                        Ks.ptr_to([ks, kk * 16 + lane % 16, w * DVW + nj * 16 + lane // 16 * 8]),
+                        Ks.ptr_to([ks, kk * 16 + lane % 16, cq * DVW + nj * 16 + lane // 16 * 8]),
                     )
                     for half in T.unroll(2):
                         T.ptx[mma](
@@ -1089,10 +1159,10 @@ def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool
                             o_acc[nj * 2 + half, 1],
                             o_acc[nj * 2 + half, 2],
                             o_acc[nj * 2 + half, 3],
-                            af[0],
-                            af[1],
-                            af[2],
-                            af[3],
+                            pf[kk, 0],
+                            pf[kk, 1],
+                            pf[kk, 2],
+                            pf[kk, 3],
                             bf[half * 2],
                             bf[half * 2 + 1],
                             o_acc[nj * 2 + half, 0],
@@ -1100,33 +1170,27 @@ def make_mla_attention(spec: MlaSpec, *, split: bool = False, tensor_cores: bool
                             o_acc[nj * 2 + half, 2],
                             o_acc[nj * 2 + half, 3],
                         )
-            T.tvm_storage_sync("shared")
         T.ptx["cp.async.wait_group"](0)
-        # o = O / l, lse = m + log2(l); a head without keys: o = 0, lse = -inf
-        if lane == 0:
-            for g in T.unroll(HPWT):
-                Al[1, w * HPWT + g] = d_sum[g]
-                if i < n:
+        # o = O / l, lse = m + log2(l); a head without keys (l = 0): o = 0, lse = -inf
+        for h in T.unroll(2):
+            lsum[h] = T.cuda.warp_reduce(lsum[h], "sum", 4)
+        if i < n:
+            if cq == 0 and lane % 4 == 0:
+                for h in T.unroll(2):
                     store_lse(
                         ch,
                         i,
-                        h0 + w * HPWT + g,
-                        T.if_then_else(d_sum[g] == T.float32(0), T.float32(NEG_INF), m[g] + T.log2(d_sum[g])),
+                        h0 + mg * 16 + lane // 4 + 8 * h,
+                        T.if_then_else(lsum[h] == T.float32(0), T.float32(NEG_INF), m[h] + T.log2(lsum[h])),
                     )
-        T.tvm_storage_sync("shared")
-        if i < n:
             for dn in T.unroll(DNT):
                 for r in T.unroll(4):
                     store_o(
                         ch,
                         i,
-                        h0 + lane // 4 + 8 * (r // 2),
-                        w * DVW + dn * 8 + lane % 4 * 2 + r % 2,
-                        T.if_then_else(
-                            Al[1, lane // 4 + 8 * (r // 2)] == T.float32(0),
-                            T.float32(0),
-                            o_acc[dn, r] / Al[1, lane // 4 + 8 * (r // 2)],
-                        ),
+                        h0 + mg * 16 + lane // 4 + 8 * (r // 2),
+                        cq * DVW + dn * 8 + lane % 4 * 2 + r % 2,
+                        T.if_then_else(lsum[r // 2] == T.float32(0), T.float32(0), o_acc[dn, r] / lsum[r // 2]),
                     )
 
     if spec.is_cpu:
