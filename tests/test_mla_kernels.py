@@ -256,6 +256,31 @@ def test_ragged_attention_dv(target, cfg, rng):
     _check(o, lse, o_ref, lse_ref, spec.dtype)
 
 
+# (dtype, H, (Dq, Dv2)) of the longer ragged_attention_dv test; cuda: all three on tensor cores
+# (DeepSeek-V2's 192 / 128; 64 / 64; 80 / 48: 16-byte chunks per row not a multiple of 8)
+RAGGED_DV = [("float16", 16, (192, 128)), ("bfloat16", 4, (64, 64)), ("float16", 2, (80, 48))]
+
+
+@pytest.mark.parametrize("dv_cfg", RAGGED_DV, ids=["deepseek-f16", "bf16-64", "f16-80x48"])
+def test_ragged_attention_dv_tiles(target, rng, dv_cfg):
+    """ragged_attention_dv over sequences that end on, before and after the cuda schedule's 64-row tiles
+    (query tiles and key tiles), an empty sequence and several tiles per sequence, against the NumPy
+    reference."""
+    dtype, H, (Dq, Dv2) = dv_cfg
+    spec = MlaSpec(H, 32, 16, 16, dtype, target, self_qk_dim=Dq, self_v_dim=Dv2)
+    lib = load_kernels(spec, family="mla")
+    lens = [1, 63, 64, 0, 65, 150, 7]
+    q_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    n = int(q_indptr[-1])
+    q, k = _rand(rng, (n, H, Dq), dtype), _rand(rng, (n, H, Dq), dtype)
+    v = _rand(rng, (n, H, Dv2), dtype)
+    o = to_dev(np.full((n, H, Dv2), np.nan, _np_dtype(dtype)), target)
+    lse = to_dev(np.full((n, H), np.nan, np.float32), target)
+    sm_scale = Dq**-0.5
+    lib["ragged_attention_dv"](*[to_dev(a, target) for a in (q, k, v, q_indptr)], o, lse, np.float32(sm_scale))
+    _check(o, lse, *ref.ragged_attention_dv_ref(q, k, v, q_indptr, sm_scale), dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_merge_any(target, rng, dtype):
     """One kernel for every (n, H, Dm): rows where either side or both are -inf (garbage, even NaN, in
@@ -353,6 +378,11 @@ def test_cuda_kernels_compile(tmp_path):
     funcs["mla_attention_simt"] = mla.make_mla_attention(specs[0], tensor_cores=False)
     funcs["mla_attention_split_simt"] = mla.make_mla_attention(specs[0], split=True, tensor_cores=False)
     assert mla.use_tensor_cores(specs[0]) and not any(mla.use_tensor_cores(s) for s in specs[1:])
+    funcs["ragged_attention_dv_simt"] = mla.make_ragged_attention_dv(specs[0], tensor_cores=False)
+    funcs["ragged_attention_dv_w8"] = mla.make_ragged_attention_dv(specs[0], num_warps=8)
+    assert mla.ragged_dv_tensor_cores(specs[0]) and mla.ragged_dv_tensor_cores(specs[1])
+    assert not mla.ragged_dv_tensor_cores(specs[2])  # fp32 (and no self attention dims)
+    assert not mla.ragged_dv_tensor_cores(MlaSpec(8, 32, 16, 4, "float16", "cuda", 256, 128))  # too many registers
     src = compile_funcs(funcs, "cuda", "sm_90").mod.imports[0].inspect_source()
     assert all(f"{name}_kernel" in src for name in funcs) and "mma.sync.aligned.m16n8k16" in src
     path = tmp_path / "mla.cu"
