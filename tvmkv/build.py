@@ -63,7 +63,7 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = 1
 
 # tir modules only that family builds
-FAMILY_MODULES = {"kvcache": (), "interop": ("interop.py", "foreign_layouts.py"), "mla": ("mla.py",)}
+FAMILY_MODULES = {"kvcache": (), "interop": ("interop.py", "foreign_layouts.py"), "mla": ("mla.py", "mla_layout.py")}
 _LOADED: dict = {}  # BuildKey -> KernelLibrary (this process)
 STATS = {"compiles": 0, "disk_loads": 0, "memory_hits": 0, "nvcc_compiles": 0, "nvcc_cache_hits": 0}
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import CacheConfig
 from ..tir import split_granule
+from ..tir.mla_layout import mla_split_granule
 from .decode_split import NO_SPLIT, DecodeSplit, plan_split
 from .index_buffer import IndexBuffers
 from .plan import PackedLayout
@@ -74,8 +75,8 @@ class Launcher:
         import tvm
 
         self.config, self.device, self.kernels, self.num_sms = config, device, kernels, num_sms
-        if config.is_mla:  # blocks of 16 heads per query row (tvmkv.tir.mla), tiles of 32 latent rows
-            self.granule = (-(-config.num_qo_heads // 16), 32) if "mla_attention_split" in kernels else None
+        if config.is_mla:  # the blocks per query row and keys per latent tile of tvmkv.tir.mla's split kernel
+            self.granule = mla_split_granule(config.mla_spec) if "mla_attention_split" in kernels else None
         else:
             self.granule = split_granule(config.kernel_spec) if "paged_decode_split" in kernels else None
         if self.granule is None and (config.decode_splits or 1) > 1:
