@@ -77,7 +77,7 @@ def _old_module(rev: str):
 
 def prepare(out: Path, arch: str, old_rev: str) -> None:
     from tvmkv.build import compile_funcs, export_module
-    from tvmkv.tir import mla
+    from tvmkv.tir import mla, mla_layout
     from tvmkv.tir.spec import MlaSpec
 
     old = _old_module(old_rev)
@@ -91,7 +91,7 @@ def prepare(out: Path, arch: str, old_rev: str) -> None:
             name = f"{key}_h{H}"
             funcs[name] = mla.make_mla_attention(spec, **kw)
             funcs[name.replace("new", "new_split", 1)] = mla.make_mla_attention(spec, split=True, **kw)
-            meta["variants"][name] = kw.get("tc_heads") or H // mla.mla_split_granule(spec)[0]
+            meta["variants"][name] = kw.get("tc_heads") or H // mla_layout.mla_split_granule(spec)[0]
     funcs["merge"] = mla.make_mla_merge_splits(MlaSpec(16, LORA, ROPE, PAGE, "float16", "cuda"))
     funcs["old_merge"] = old.make_mla_merge_splits(MlaSpec(16, LORA, ROPE, PAGE, "float16", "cuda"))
     out.mkdir(parents=True, exist_ok=True)

@@ -346,7 +346,7 @@ def test_kernel_set_names():
 def test_tensor_core_options():
     """The tensor-core schedule's block / stage options are checked, and the split granule
     follows the block: 64 heads per block where H allows, 16 for H 16, the SIMT blocks elsewhere."""
-    from tvmkv.tir import mla
+    from tvmkv.tir import mla, mla_layout
 
     spec = MlaSpec(128, 512, 64, 16, "float16", "cuda")
     for kwargs, word in (
@@ -355,10 +355,10 @@ def test_tensor_core_options():
     ):
         with pytest.raises(ValueError, match=word):
             mla.make_mla_attention(spec, **kwargs)
-    assert mla.mla_split_granule(spec) == (2, 32)
-    assert mla.mla_split_granule(MlaSpec(16, 512, 64, 16, "bfloat16", "cuda")) == (1, 32)
-    assert mla.mla_split_granule(MlaSpec(48, 512, 64, 16, "float16", "cuda")) == (1, 32)  # one 48-head block
-    assert mla.mla_split_granule(MlaSpec(24, 512, 64, 1, "float32", "cuda")) == (2, 32)  # SIMT: 12 heads
+    assert mla_layout.mla_split_granule(spec) == (2, 32)
+    assert mla_layout.mla_split_granule(MlaSpec(16, 512, 64, 16, "bfloat16", "cuda")) == (1, 32)
+    assert mla_layout.mla_split_granule(MlaSpec(48, 512, 64, 16, "float16", "cuda")) == (1, 32)  # one 48-head block
+    assert mla_layout.mla_split_granule(MlaSpec(24, 512, 64, 1, "float32", "cuda")) == (2, 32)  # SIMT: 12 heads
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -367,7 +367,7 @@ def test_cuda_kernels_compile(tmp_path):
     schedule; a small fp16 one and fp32 with 24 heads: SIMT) give CUDA source nvcc accepts for sm_80
     and sm_90; runs without a GPU."""
     from tvmkv.build import compile_funcs
-    from tvmkv.tir import mla
+    from tvmkv.tir import mla, mla_layout
 
     specs = [
         MlaSpec(128, 512, 64, 16, "bfloat16", "cuda", 192, 128),
@@ -377,7 +377,7 @@ def test_cuda_kernels_compile(tmp_path):
     funcs = {f"{name}_{k}": f for k, spec in enumerate(specs) for name, f in mla.kernel_set(spec).items()}
     funcs["mla_attention_simt"] = mla.make_mla_attention(specs[0], tensor_cores=False)
     funcs["mla_attention_split_simt"] = mla.make_mla_attention(specs[0], split=True, tensor_cores=False)
-    assert mla.use_tensor_cores(specs[0]) and not any(mla.use_tensor_cores(s) for s in specs[1:])
+    assert mla_layout.use_tensor_cores(specs[0]) and not any(mla_layout.use_tensor_cores(s) for s in specs[1:])
     funcs["ragged_attention_dv_simt"] = mla.make_ragged_attention_dv(specs[0], tensor_cores=False)
     funcs["ragged_attention_dv_w8"] = mla.make_ragged_attention_dv(specs[0], num_warps=8)
     assert mla.ragged_dv_tensor_cores(specs[0]) and mla.ragged_dv_tensor_cores(specs[1])

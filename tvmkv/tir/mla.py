@@ -43,6 +43,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, MAX_THREADS, NOALIAS, WARP, macro
 from ._kernel_common import slots as state_slots
+from .mla_layout import GPU_HEADS, QS_BYTES, TC_MAX_HEADS, TK, divisor_at_most, use_tensor_cores
 from .prefill_cuda import CVT as RDV_CVT
 from .prefill_cuda import lane_kmajor_b, lane_rowmajor16, load_rc, tile_start
 from .spec import MlaSpec
@@ -50,9 +51,7 @@ from .spec import MlaSpec
 NEG_INF = float("-inf")
 CPU_VL = 8  # vector lanes of the CPU dot products (D is a multiple of 16)
 CPU_HEADS = 16  # heads per CPU work item (they share every key row)
-GPU_HEADS = 16  # heads per CUDA thread block of mla_attention (they share every latent tile)
 GPU_WARPS = 4  # warps per CUDA thread block of mla_attention
-TK = 32  # keys per tile of the cuda kernels (one per lane)
 KVEC = 4  # elements per vector load of a latent tile (8 bytes of fp16 / bf16, 16 of fp32)
 KPAD = 4  # padding elements per shared latent row: lane-per-key reads hit distinct banks
 CP16 = "cp.async.cg.shared.global"
@@ -64,9 +63,7 @@ MMA = {
     "bfloat16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
 }
 CVT = {"float16": "cvt.rn.f16x2.f32", "bfloat16": "cvt.rn.bf16x2.f32"}  # two fp32 -> one packed register
-TC_MAX_HEADS = 64  # heads per block of the tensor-core mla_attention (a multiple of 16 dividing H)
 TC_STAGES = 2  # latent tiles in flight or in use per block of the tensor-core mla_attention
-QS_BYTES = 64 * 1024  # cap on the shared memory of the block's fp32 queries
 SMEM_BYTES = 200 * 1024  # double-buffer the latent tiles when both fit in this much shared memory
 MERGE_ROWS = 8  # (row, head) pairs per CUDA block of merge_any (one warp each)
 MERGE_THREADS = 128  # threads per (row, head) of cuda mla_merge_splits (over its Dm elements)
@@ -95,30 +92,9 @@ RDV_HEAD_MAJOR_MIN = 64
 RDV = state_slots("b", "lt", "t0", "ntok", "qbase", "ntile", "klen", "nkt", "lo", "hi")
 
 
-def use_tensor_cores(spec: MlaSpec) -> bool:
-    """Whether cuda ``mla_attention`` of ``spec`` takes the tensor-core schedule (fp16 / bf16, heads a
-    multiple of 16, ``D_v`` a multiple of 64); other shapes use the SIMT schedule."""
-    return spec.target_kind == "cuda" and spec.dtype in MMA and spec.num_heads % 16 == 0 and spec.latent_dim % 64 == 0
-
-
-def mla_split_granule(spec: MlaSpec) -> tuple:
-    """``(blocks_per_seq, tile_keys)`` of cuda ``mla_attention_split`` for ``spec``: the thread blocks one
-    query row's chunk runs and the keys per latent tile (what :func:`tvmkv.runtime.decode_split.plan_split`
-    takes): blocks of ``TC_MAX_HEADS`` heads at most on tensor cores, of ``HB`` heads on the SIMT schedule."""
-    if use_tensor_cores(spec):
-        return spec.num_heads // (16 * _divisor_at_most(spec.num_heads // 16, TC_MAX_HEADS // 16)), TK
-    H, D = spec.num_heads, spec.head_dim
-    return H // _divisor_at_most(H, min(GPU_HEADS, max(1, QS_BYTES // (4 * D)))), TK
-
-
 def _attrs(spec: MlaSpec) -> dict:
     """Function attributes: the no-alias promise on cuda only (as ``_kernel_common.func_attrs``)."""
     return {NOALIAS: not spec.is_cpu}
-
-
-def _divisor_at_most(n: int, cap: int) -> int:
-    """The largest divisor of ``n`` that is at most ``cap``."""
-    return max(x for x in range(1, min(n, cap) + 1) if n % x == 0)
 
 
 def _row_threads(D: int) -> tuple:
@@ -731,7 +707,7 @@ def make_mla_attention(
             kr[KEYS.slot] = -1
 
     # ------------------------------------------------------------------ llvm
-    HC = _divisor_at_most(H, CPU_HEADS)  # heads per work item
+    HC = divisor_at_most(H, CPU_HEADS)  # heads per work item
     NC = H // HC
 
     @macro
@@ -789,8 +765,8 @@ def make_mla_attention(
                     store_lse(ch, i, h0 + h, m[h] + T.log2(d_sum[h]))
 
     # ------------------------------------------------------------------ cuda
-    HB = _divisor_at_most(H, min(GPU_HEADS, max(1, QS_BYTES // (4 * D))))  # heads per block
-    NW = _divisor_at_most(HB, GPU_WARPS)  # warps per block
+    HB = divisor_at_most(H, min(GPU_HEADS, max(1, QS_BYTES // (4 * D))))  # heads per block
+    NW = divisor_at_most(HB, GPU_WARPS)  # warps per block
     HPW = HB // NW  # heads per warp (register blocking of the scores and of O)
     NBH = H // HB  # blocks per query row
     NT = NW * WARP
@@ -973,7 +949,7 @@ def make_mla_attention(
         raise ValueError(f"tc_heads={tc_heads}: give a multiple of 16 that divides num_heads {H}, e.g. 16")
     if tc_stages is not None and tc_stages < 2:
         raise ValueError(f"tc_stages={tc_stages}: the tensor-core schedule needs at least 2 stages; pass 2")
-    TCM = (tc_heads or 16 * _divisor_at_most(max(H // 16, 1), TC_MAX_HEADS // 16)) // 16
+    TCM = (tc_heads or 16 * divisor_at_most(max(H // 16, 1), TC_MAX_HEADS // 16)) // 16
     NST = tc_stages or TC_STAGES
     HBT = 16 * TCM  # heads per block
     NBT = H // HBT  # blocks per query row
@@ -1384,7 +1360,7 @@ def make_ragged_attention_dv(
                     o[i, h, d] = T.Cast(dtype, O[d] / st[ds])
                 lse[i, h] = st[mm] + T.log2(st[ds])
 
-    GB = _divisor_at_most(H, 4)  # heads (warps) per block
+    GB = divisor_at_most(H, 4)  # heads (warps) per block
     NQ = (Dq + WARP - 1) // WARP
     NDV = (Dv + WARP - 1) // WARP
 
