@@ -101,6 +101,7 @@ def test_self_cross_merge_equal_full_attention(target, rope_mode):
     q_pos = np.concatenate(
         [np.arange(len(model.history(s)[0]), len(model.history(s)[0]) + m) for s, m in zip(seq_ids, lens)]
     )
+    want_o, want_lse = np.zeros((n, H_QO, D)), np.zeros((n, H_QO))  # over history + new tokens
     at = 0
     for s, m in zip(seq_ids, lens):
         hk, hv = model.history(s)
@@ -116,15 +117,16 @@ def test_self_cross_merge_equal_full_attention(target, rope_mode):
         np.testing.assert_allclose(lse_c[at : at + m], want_c[1], atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(o_s[at : at + m], want_s[0], atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(lse_s[at : at + m], want_s[1], atol=2e-5, rtol=1e-4)
-        want_all_rows = want_all
+        want_o[at : at + m], want_lse[at : at + m] = want_all
         at += m
         if s == 2:
             assert L == 0 and np.all(o_c[at - m : at] == 0) and np.all(np.isneginf(lse_c[at - m : at]))
-    assert want_all_rows is not None
     # merge (in place) equals attention over history + new tokens, and attention_with_fused_qkv
     merged_o, merged_lse = o_c.copy(), lse_c.copy()
     ret = cache.merge_attn_output_inplace(merged_o, merged_lse, o_s, lse_s)
     assert ret[0] is merged_o and ret[1] is merged_lse
+    np.testing.assert_allclose(merged_o, want_o, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(merged_lse, want_lse, atol=2e-5, rtol=1e-4)
     fused_o = cache.attention_with_fused_qkv(0, np.concatenate([q, k, v], axis=1))
     np.testing.assert_allclose(merged_o, fused_o, atol=2e-5, rtol=1e-4)
     # with the layer appended, include_new=True sees history + new tokens: the same result
