@@ -2,10 +2,10 @@
 
 Two routes (see README, "Relax VM"):
 
-- **Own interface** — :func:`register` registers ``tvmkv.attention_with_fused_qkv``, which the
-  ``nn.Object`` :class:`tvmkv.relax.TvmkvKVCache` calls once per attention layer. The cache is
-  created and driven in Python (``add_sequence``, ``begin_forward`` ...) and passed into the VM as an
-  argument.
+- **Own interface** — :func:`register` registers ``tvmkv.attention_with_fused_qkv`` (and the
+  shared-KV, query-position and MLA globals), which the ``nn.Object`` :class:`tvmkv.relax.TvmkvKVCache`
+  calls from each attention layer. The cache is created and driven in Python (``add_sequence``,
+  ``begin_forward`` ...) and passed into the VM as an argument.
 - **Drop-in for TVM's interface** — :class:`TvmBuiltinOverride` (a context manager) re-registers the
   ``vm.builtin.*`` functions that a model written against
   ``tvm.relax.frontend.nn.llm.kv_cache.PagedKVCache`` and its driver call, so that
