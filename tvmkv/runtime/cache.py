@@ -663,14 +663,10 @@ class PagedAttentionKVCache:
             Rotate raw ``q`` here as ``split_rope`` rotates the fused path's q (kernel ``rope_q``; only
             with rope_mode "normal" does it change anything), for models that leave RoPE to the cache.
         """
-        cfg, fwd = self.config, self._fwd
-        if fwd is None:
-            raise ForwardStateError("attention_with_shared_kv called outside begin_forward/end_forward")
+        cfg, fwd = self.config, self._open_forward("attention_with_shared_kv")
         if self._mla:
             raise TypeError("attention_with_shared_kv reads MHA pages; this is an MLA cache (as in TVM, MHA only)")
-        layer = as_int(layer_id, "layer_id")
-        if not 0 <= layer < cfg.num_layers:
-            raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
+        layer = self._layer(layer_id)
         if self._ran[layer] != self._step:
             raise ForwardStateError(
                 f"attention_with_shared_kv reads layer {layer}'s pages, but that layer's attention has not run in "
@@ -680,8 +676,7 @@ class PagedAttentionKVCache:
         n = fwd.total
         kind = self._check_array(q, "q", (n, cfg.num_qo_heads, cfg.head_dim))
         for x, name in ((k, "k"), (v, "v")):
-            if tensors.array_kind(x) != kind:
-                raise TypeError(f"{name} is a {tensors.array_kind(x)} array but q is {kind}; pass the same kind")
+            self._check_kind(x, name, kind, "q")
             self._check_array(x, name, (n, cfg.num_kv_heads, cfg.head_dim))
         if out is not None:
             self._check_out(out, kind, "q", fwd.o_shape)
@@ -950,28 +945,13 @@ class PagedAttentionKVCache:
 
     def _outputs(self, out, lse, kind: str, o_shape: tuple) -> tuple:
         """Device ``(o, lse)`` buffers: the caller's ``out`` / ``lse`` (checked) or fresh ones."""
-        import tvm
-
         lse_shape = o_shape[:2]
         if out is not None:
             self._check_out(out, kind, "q", o_shape)
         if lse is not None:
-            self._check_kind(lse, "lse", kind, "q")
-            self._check_array(lse, "lse", lse_shape, "float32")
-            if kind == "numpy" and not lse.flags.writeable:
-                raise ValueError("lse is a read-only NumPy array; pass a writeable one (or lse=None)")
-        bufs = []
-        for x, shape, dtype in ((out, o_shape, self.config.dtype), (lse, lse_shape, "float32")):
-            t = None
-            if x is not None and kind == "tvm":
-                t = x
-            elif x is not None and kind == "torch":
-                try:
-                    t = tvm.runtime.from_dlpack(x)
-                except RuntimeError:
-                    t = None  # unaligned: compute into a fresh buffer, copy back
-            bufs.append(tvm.runtime.empty(shape, dtype, self.device) if t is None else t)
-        return tuple(bufs)
+            self._check_out(lse, kind, "q", lse_shape, "lse", "float32")
+        n = o_shape[0]
+        return self._output_buffer(out, kind, n, o_shape), self._output_buffer(lse, kind, n, lse_shape, "float32")
 
     def _history_tables(self, fwd: Forward) -> tuple:
         """Device page tables of the keys held before the open forward (built once per forward)."""
@@ -1307,15 +1287,19 @@ class PagedAttentionKVCache:
             raise ValueError(f"{name} is not contiguous; pass a contiguous array (e.g. .contiguous())")
         return kind
 
-    def _check_out(self, out, kind: str, source: str, shape: tuple) -> None:
-        """``out`` must be the same kind as the input ``source``, of ``shape``, and writeable."""
-        if tensors.array_kind(out) != kind:
-            raise TypeError(f"out is a {tensors.array_kind(out)} array but {source} is {kind}; pass the same kind")
-        self._check_array(out, "out", shape)
+    def _check_out(
+        self, out, kind: str, source: str, shape: tuple, name: str = "out", dtype: str | None = None
+    ) -> None:
+        """Output ``name`` must be the same kind as the input ``source``, of ``shape`` (and ``dtype``, default
+        the cache's), and writeable."""
+        self._check_kind(out, name, kind, source)
+        self._check_array(out, name, shape, dtype)
         if kind == "numpy" and not out.flags.writeable:
-            raise ValueError("out is a read-only NumPy array; pass a writeable one (or out=None)")
+            raise ValueError(f"{name} is a read-only NumPy array; pass a writeable one (or {name}=None)")
 
-    def _output_buffer(self, out, kind: str, total: int):
+    def _output_buffer(self, out, kind: str, total: int, shape: tuple | None = None, dtype: str | None = None):
+        """The device tensor a kernel writes: ``out`` itself (tvm; torch when DLPack takes it) or a fresh
+        ``shape`` (default ``[total, H_qo, D]``) buffer of ``dtype`` (default the cache's)."""
         import tvm
 
         cfg = self.config
@@ -1326,7 +1310,8 @@ class PagedAttentionKVCache:
                 return tvm.runtime.from_dlpack(out)
             except RuntimeError:
                 pass  # unaligned: compute into a fresh buffer, copy back
-        return tvm.runtime.empty((total, cfg.num_qo_heads, cfg.head_dim), cfg.dtype, self.device)
+        shape = shape or (total, cfg.num_qo_heads, cfg.head_dim)
+        return tvm.runtime.empty(shape, dtype or cfg.dtype, self.device)
 
 
 def memory_needs(cfg: CacheConfig) -> list:
