@@ -33,7 +33,7 @@ from tvm.relax.frontend.nn import op
 
 from .deepseek_config import INTERFACES, DeepseekConfig
 from .gemma_nn import Rope
-from .llama_nn import Linear
+from .llama_nn import Linear, SwiGLUMLP
 from .nn_cache import TvmkvKVCache
 
 NUM_KERNEL_SLOTS = 15  # arguments [13, 28) of TVM 0.27's create call: the cache's TIR kernels
@@ -119,25 +119,13 @@ class DeepseekAttention(nn.Module):
         return op.reshape(o, (b, s, Hn, dv)), lse
 
 
-class DeepseekMLP(nn.Module):
-    """SwiGLU (DeepSeek-V2's dense layers; no mixture of experts here)."""
-
-    def __init__(self, cfg: DeepseekConfig):
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.dtype)
-
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
-
-
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekConfig, layer_id: int):
         H, eps, dt = cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype
         self.input_layernorm = nn.RMSNorm(H, -1, eps, bias=False, dtype=dt)
         self.self_attn = DeepseekAttention(cfg, layer_id)
         self.post_attention_layernorm = nn.RMSNorm(H, -1, eps, bias=False, dtype=dt)
-        self.mlp = DeepseekMLP(cfg)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype)  # dense (no experts here)
 
     def forward(self, x: nn.Tensor, paged_kv_cache: Any, rope: Rope, mode: str) -> tuple[nn.Tensor, Any]:
         o, paged_kv_cache = self.self_attn(self.input_layernorm(x), paged_kv_cache, rope, mode)

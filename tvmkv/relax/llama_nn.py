@@ -44,10 +44,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(op.reshape(o, (b, s, cfg.num_qo_heads * cfg.head_dim)))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.dtype)
+class SwiGLUMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused (Llama's MLP; DeepSeek-V2's dense layers)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str):
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -60,7 +62,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
         self.self_attn = LlamaAttention(cfg, layer_id)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype)
 
     def forward(self, x: nn.Tensor, paged_kv_cache) -> nn.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), paged_kv_cache)
