@@ -6,10 +6,11 @@ the cache would launch it: split into ``plan_split(B, L, blocks_per_seq, 32, num
 (``mla_attention_split`` + ``mla_merge_splits``) or whole (``mla_attention``), ``blocks_per_seq`` =
 its thread blocks per query row. Contenders:
 
-- ``old``: the tensor-core schedule and merge of git ``--old-rev`` (blocks of 16 heads);
+- ``old``: the tensor-core schedule and merge of git ``--old-rev``;
 - ``new``: this checkout's defaults; ``new_*``: other ``tc_*`` keywords (see VARIANTS);
-- ``new@2x`` / ``new@4x``: the defaults split as if the device had 2x / 4x its SMs (2 / 4 blocks per SM);
-  ``new@g16``: split as if its blocks had 16 heads (the granule the runtime assumed before);
+- ``<name>@2x`` / ``new@4x``: split as if the device had 2x / 4x its SMs (2 / 4 blocks per SM); the
+  cache splits for ``tvmkv.tir.mla_layout.mla_blocks_per_sm`` blocks per SM (H200, fp16: 2 at H 16, 1 at
+  H 128);
 - ``torch``: bmm (q @ latents^T, fp32 softmax, P @ latents[:, :, :512]) on contiguous latents.
 
 Errors: max abs difference of o from a float32 torch reference (and of the base-2 lse). Times:
@@ -42,17 +43,20 @@ from _common import ROOT, CudaTimer
 LORA, ROPE, PAGE = 512, 64, 16
 D = LORA + ROPE
 SCALE = 192**-0.5
-CASES = [(128, 1, 1024), (128, 32, 1024), (128, 64, 4096), (128, 128, 2048), (16, 1, 1024), (16, 32, 1024)]
-PLAN_SMS = (2, 4)  # "new@2x", "new@4x": the default schedule split as if the device had 2x, 4x the SMs
+CASES = [
+    (128, 1, 1024),
+    (128, 32, 1024),
+    (128, 64, 4096),
+    (128, 128, 2048),
+    (16, 1, 1024),
+    (16, 32, 1024),
+    (16, 64, 4096),
+    (16, 128, 2048),
+]
+PLAN_SMS = (1, 2)  # each schedule split for 1 and 2 blocks per SM ("@2x"); "new@4x": the defaults for 4
 # make_mla_attention keywords of each schedule tried ({} = the defaults)
 VARIANTS = {
-    128: {
-        "new": {},
-        "new_t32": dict(tc_heads=32),
-        "new_t16": dict(tc_heads=16),
-        "new_s3": dict(tc_stages=3),
-        "new_t32_s3": dict(tc_heads=32, tc_stages=3),
-    },
+    128: {"new": {}, "new_t32": dict(tc_heads=32)},
     16: {"new": {}, "new_s3": dict(tc_stages=3)},
 }
 
@@ -64,9 +68,7 @@ def _old_module(rev: str):
     src = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{rev}:tvmkv/tir/mla.py"], capture_output=True, text=True, check=True
     ).stdout
-    src = src.replace("from ._kernel_common", "from tvmkv.tir._kernel_common").replace(
-        "from .spec", "from tvmkv.tir.spec"
-    )
+    src = src.replace("from .", "from tvmkv.tir.")
     path = Path(tempfile.mkdtemp()) / "mla_old.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("mla_old", path)
@@ -86,7 +88,10 @@ def prepare(out: Path, arch: str, old_rev: str) -> None:
         spec = MlaSpec(H, LORA, ROPE, PAGE, "float16", "cuda", 192, 128)
         funcs[f"old_h{H}"] = old.make_mla_attention(spec)
         funcs[f"old_split_h{H}"] = old.make_mla_attention(spec, split=True)
-        meta["variants"][f"old_h{H}"] = 16
+        # heads per block of the old schedule: 16 before the layout module existed
+        meta["variants"][f"old_h{H}"] = (
+            H // mla_layout.mla_split_granule(spec)[0] if hasattr(old, "use_tensor_cores") else 16
+        )
         for key, kw in VARIANTS[H].items():
             name = f"{key}_h{H}"
             funcs[name] = mla.make_mla_attention(spec, **kw)
@@ -205,10 +210,8 @@ def main_gpu(args) -> int:
         o_ref, lse_ref = reference(c)
         row = {"case": f"H{H} decode {B}x{L}", "MB": B * L * D * 2 / 1e6}
         names = [n for n in meta["variants"] if n.endswith(f"_h{H}")]
-        plans = [(n, 1, meta["variants"][n], "") for n in names]
-        plans += [(f"new_h{H}", m, meta["variants"][f"new_h{H}"], f"@{m}x") for m in PLAN_SMS]
-        if meta["variants"][f"new_h{H}"] != 16:  # split as for 16-head blocks (the runtime's granule before)
-            plans.append((f"new_h{H}", 1, 16, "@g16"))
+        plans = [(n, m, meta["variants"][n], "" if m == 1 else f"@{m}x") for n in names for m in PLAN_SMS]
+        plans.append((f"new_h{H}", 4, meta["variants"][f"new_h{H}"], "@4x"))
         for name, mult, hpb, tag in plans:
             run, o, lse, split = kernel_run(c, mod, name, hpb, mult * num_sms)
             run()
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prepare", type=Path, metavar="DIR", help="build machine: compile the kernels into DIR")
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--old-rev", default="dda443d", help="--prepare: git revision of the old schedule (16-head blocks)")
+    ap.add_argument("--old-rev", default="4f17979", help="--prepare: git revision of the old schedule")
     ap.add_argument("--build-dir", type=Path, default=ROOT / "build" / "mla-kernels")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="the cases of at most 32 sequences")

@@ -269,6 +269,13 @@ def test_split_plan_covers_keys_without_empty_chunks(blocks, tile, sms):
     assert plan_split(256, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132).num_splits == 1
     assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132, max_splits=1).num_splits == 1
     assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=1, num_sms=0).num_splits == 1
+    # a kernel that runs 2 blocks per SM (MLA at 16 heads): the grid may fill 2 x the SMs, no more
+    for batch, keys in ((64, 4096), (128, 2048), (1, 1024), (32, 1024)):
+        S1, _ = plan_split(batch, keys, blocks_per_seq=1, tile_keys=32, num_sms=132)
+        S2, chunk = plan_split(batch, keys, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2)
+        assert S2 >= S1 and (S2 == 1 or batch * S2 <= 2 * 132), (batch, keys, S1, S2)
+    assert plan_split(64, 4096, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2) == (4, 1024)
+    assert plan_split(128, 2048, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2) == (2, 1024)
 
 
 def test_decode_splits_option_is_validated():

@@ -361,6 +361,21 @@ def test_tensor_core_options():
     assert mla_layout.mla_split_granule(MlaSpec(24, 512, 64, 1, "float32", "cuda")) == (2, 32)  # SIMT: 12 heads
 
 
+def test_blocks_per_sm_follow_the_kernels_shared_memory():
+    """mla_blocks_per_sm (the split plan's occupancy) from the tensor-core kernel's shared memory. Nsight
+    Compute on an H200 reported, for the H 16 split kernel at DeepSeek-V2's latent: 93.44 KB dynamic and
+    768 B static shared memory per block, 1 KB reserved by the driver, "Block Limit Shared Mem: 2"."""
+    from tvmkv.tir import mla_layout
+
+    spec = MlaSpec(16, 512, 64, 16, "float16", "cuda")
+    tile_words, q_words = mla_layout.tc_shared_words(spec, mla_layout.tc_head_tiles(spec))
+    assert 4 * (mla_layout.TC_STAGES * tile_words + q_words) == 93_440
+    assert mla_layout.mla_blocks_per_sm(spec, "9.0") == 2
+    assert mla_layout.mla_blocks_per_sm(spec, "8.0") == 1  # 164 KiB per SM
+    assert mla_layout.mla_blocks_per_sm(MlaSpec(128, 512, 64, 16, "float16", "cuda"), "9.0") == 1  # 64-head blocks
+    assert mla_layout.mla_blocks_per_sm(MlaSpec(24, 512, 64, 1, "float32", "cuda"), "9.0") == 1  # SIMT
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_kernels_compile(tmp_path):
     """The cuda MLA kernel sets (DeepSeek-V2's shape in bf16: tensor-core mla_attention, plus its SIMT

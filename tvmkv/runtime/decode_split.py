@@ -41,6 +41,7 @@ def plan_split(
     tile_keys: int,
     num_sms: int,
     max_splits: int | None = None,
+    blocks_per_sm: int = BLOCKS_PER_SM,
 ) -> DecodeSplit:
     """The split of one decode step (pure arithmetic, called by ``begin_forward``).
 
@@ -56,9 +57,12 @@ def plan_split(
         Streaming multiprocessors of the device (0: no split, e.g. on the CPU).
     max_splits : int, optional
         ``None``: split a power-of-two number of ways only as far as the grid stays within
-        ``BLOCKS_PER_SM`` blocks per SM, at most ``MAX_SPLITS`` ways, into chunks of at least
+        ``blocks_per_sm`` blocks per SM, at most ``MAX_SPLITS`` ways, into chunks of at least
         ``MIN_CHUNK_TILES`` tiles. An int forces up to that many splits whatever the device (chunks of
         at least one tile); 1 turns splitting off.
+    blocks_per_sm : int
+        Blocks of the split kernel one SM runs at once that are worth filling (``BLOCKS_PER_SM`` for
+        MHA decode; :func:`tvmkv.tir.mla_layout.mla_blocks_per_sm` for MLA).
 
     Returns
     -------
@@ -70,7 +74,7 @@ def plan_split(
         if num_sms <= 0:
             return NO_SPLIT
         cap = min(
-            BLOCKS_PER_SM * num_sms // (batch * blocks_per_seq),
+            blocks_per_sm * num_sms // (batch * blocks_per_seq),
             MAX_SPLITS,
             max_keys // (MIN_CHUNK_TILES * tile_keys),
         )

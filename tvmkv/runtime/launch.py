@@ -14,8 +14,8 @@ from typing import Any
 
 from ..config import CacheConfig
 from ..tir import split_granule
-from ..tir.mla_layout import mla_split_granule
-from .decode_split import NO_SPLIT, DecodeSplit, plan_split
+from ..tir.mla_layout import mla_blocks_per_sm, mla_split_granule
+from .decode_split import BLOCKS_PER_SM, NO_SPLIT, DecodeSplit, plan_split
 from .index_buffer import IndexBuffers
 from .plan import PackedLayout
 
@@ -75,8 +75,11 @@ class Launcher:
         import tvm
 
         self.config, self.device, self.kernels, self.num_sms = config, device, kernels, num_sms
+        self.blocks_per_sm = BLOCKS_PER_SM
         if config.is_mla:  # the blocks per query row and keys per latent tile of tvmkv.tir.mla's split kernel
             self.granule = mla_split_granule(config.mla_spec) if "mla_attention_split" in kernels else None
+            if num_sms > 0:
+                self.blocks_per_sm = mla_blocks_per_sm(config.mla_spec, device.compute_version)
         else:
             self.granule = split_granule(config.kernel_spec) if "paged_decode_split" in kernels else None
         if self.granule is None and (config.decode_splits or 1) > 1:
@@ -110,6 +113,7 @@ class Launcher:
             tile_keys=tile,
             num_sms=self.num_sms,
             max_splits=self.config.decode_splits,
+            blocks_per_sm=self.blocks_per_sm,
         )
 
     def scratch(self, total: int) -> dict:

@@ -43,7 +43,16 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, MAX_THREADS, NOALIAS, WARP, macro
 from ._kernel_common import slots as state_slots
-from .mla_layout import GPU_HEADS, QS_BYTES, TC_MAX_HEADS, TK, divisor_at_most, use_tensor_cores
+from .mla_layout import (
+    GPU_HEADS,
+    QS_BYTES,
+    TC_STAGES,
+    TK,
+    divisor_at_most,
+    tc_head_tiles,
+    tc_shared_words,
+    use_tensor_cores,
+)
 from .prefill_cuda import CVT as RDV_CVT
 from .prefill_cuda import lane_kmajor_b, lane_rowmajor16, load_rc, tile_start
 from .spec import MlaSpec
@@ -63,11 +72,10 @@ MMA = {
     "bfloat16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
 }
 CVT = {"float16": "cvt.rn.f16x2.f32", "bfloat16": "cvt.rn.bf16x2.f32"}  # two fp32 -> one packed register
-TC_STAGES = 2  # latent tiles in flight or in use per block of the tensor-core mla_attention
 SMEM_BYTES = 200 * 1024  # double-buffer the latent tiles when both fit in this much shared memory
 MERGE_ROWS = 8  # (row, head) pairs per CUDA block of merge_any (one warp each)
 MERGE_THREADS = 128  # threads per (row, head) of cuda mla_merge_splits (over its Dm elements)
-MERGE_UNROLL = 4  # chunks per step of cuda mla_merge_splits (independent loads in flight per thread)
+MERGE_UNROLL = 8  # chunks per step of cuda mla_merge_splits (independent loads in flight per thread)
 
 SEQ = state_slots("b", "lo", "hi")  # a row's sequence b; lo, hi: bounds of its binary search
 # keys of a query row: kv_len, base (first page entry), window (sink_end, window_start, offset), the scan
@@ -404,7 +412,7 @@ def make_mla_merge_splits(spec: MlaSpec):
     one state, as repeated merges would (docs/layout.md merge rule, base 2); every size is symbolic.
 
     ``lse = log2(sum_c 2^lse_c)``, ``o = sum_c o_c 2^(lse_c - lse)``; a chunk with ``lse_c = -inf`` is
-    skipped (its ``o_c`` is not read); all ``-inf`` give ``o = 0``, ``lse = -inf``.
+    skipped (its ``o_c`` is ignored, whatever it holds); all ``-inf`` give ``o = 0``, ``lse = -inf``.
 
     Parameters
     ----------
@@ -456,10 +464,14 @@ def make_mla_merge_splits(spec: MlaSpec):
     def gpu_body():
         # one block of MERGE_THREADS per (row, head): each warp finds m and the weight sum over the
         # chunks (lane c, c + 32, ...), then the threads spread over Dm, each summing its elements over
-        # the chunks in steps of MERGE_UNROLL independent loads (a chunk with lse -inf is not read)
+        # the chunks MERGE_UNROLL at a time: the lse and o loads of a step are issued together (indices
+        # clamped into the buffer, nothing depends on a loaded value), then a chunk with lse -inf is
+        # dropped by a select, so its o (which may hold anything) never reaches the sum
         bx = T.launch_thread("blockIdx.x", T.max(n * H, 1))  # max: no empty grid
         tx = T.launch_thread("threadIdx.x", MERGE_THREADS)
         st = T.alloc_buffer((len(MS),), "float32", scope="local")
+        lv = T.alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+        ov = T.alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
         i = T.meta_var(bx // H)
         h = T.meta_var(bx % H)
         lane = T.meta_var(tx % WARP)
@@ -482,10 +494,12 @@ def make_mla_merge_splits(spec: MlaSpec):
                     if st[MS.w_sum] != T.float32(0):
                         for c0 in T.serial((S + MERGE_UNROLL - 1) // MERGE_UNROLL):
                             for u in T.unroll(MERGE_UNROLL):
+                                lv[u] = lse_part[T.min(c0 * MERGE_UNROLL + u, S - 1), i, h]
+                                ov[u] = o_part[T.min(c0 * MERGE_UNROLL + u, S - 1), i, h, r * MERGE_THREADS + tx]
+                            for u in T.unroll(MERGE_UNROLL):
                                 st[MS.acc] = st[MS.acc] + T.if_then_else(
-                                    c0 * MERGE_UNROLL + u < S and lse_part[c0 * MERGE_UNROLL + u, i, h] != neg_inf,
-                                    o_part[c0 * MERGE_UNROLL + u, i, h, r * MERGE_THREADS + tx]
-                                    * T.exp2(lse_part[c0 * MERGE_UNROLL + u, i, h] - st[MS.m]),
+                                    c0 * MERGE_UNROLL + u < S and lv[u] != neg_inf,
+                                    ov[u] * T.exp2(lv[u] - st[MS.m]),
                                     T.float32(0),
                                 )
                         o[i, h, r * MERGE_THREADS + tx] = T.Cast(dtype, st[MS.acc] / st[MS.w_sum])
@@ -949,7 +963,7 @@ def make_mla_attention(
         raise ValueError(f"tc_heads={tc_heads}: give a multiple of 16 that divides num_heads {H}, e.g. 16")
     if tc_stages is not None and tc_stages < 2:
         raise ValueError(f"tc_stages={tc_stages}: the tensor-core schedule needs at least 2 stages; pass 2")
-    TCM = (tc_heads or 16 * divisor_at_most(max(H // 16, 1), TC_MAX_HEADS // 16)) // 16
+    TCM = tc_heads // 16 if tc_heads else tc_head_tiles(spec)
     NST = tc_stages or TC_STAGES
     HBT = 16 * TCM  # heads per block
     NBT = H // HBT  # blocks per query row
@@ -961,8 +975,7 @@ def make_mla_attention(
     KQ = (KD + 3) // 4  # k16 steps per warp (quarter cq takes steps cq, cq + 4, ...)
     CPRT = D // 8  # 16-byte chunks per row
     KS2 = D + 8  # shared row stride (elements) of the latent tiles and of Q
-    TILE2_WORDS = TK * KS2 // 2
-    QS_WORDS = max(HBT * KS2 // 2, 4 * TCM * 16 * WARP)  # Q, then (once in registers) the partial scores
+    TILE2_WORDS, QS_WORDS = tc_shared_words(spec, TCM)  # a tile stage; Q, then the partial scores
     mma = MMA.get(dtype)
     cvt = CVT.get(dtype)
 
