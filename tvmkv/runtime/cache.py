@@ -28,14 +28,11 @@ from .decode_split import NO_SPLIT
 from .index_buffer import RING, IndexBuffers
 from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer, run_paged, run_ragged
 from .pages import PageHolder, PagePool
-from .plan import PackedLayout, RepeatDecode, history_tables, plan_step
+from .plan import PackedLayout, Planner, RepeatDecode, history_tables
 from .sequences import SequenceInfo, SequenceTable, as_int, check_id
 from .swap import DEFAULT_STAGING_BYTES, HostSwap
 
-_KV_LEN = attrgetter("kv_len")
-_WINDOW = attrgetter("window")
 _TREE = attrgetter("tree_parent")
-_LAST_PAGE = attrgetter("last_page")
 
 
 def available_bytes(device) -> int:
@@ -257,6 +254,7 @@ class PagedAttentionKVCache:
         B = cfg.max_batch_size
         arrays = PackedLayout.of(B, cfg.prefill_chunk_size, 1).page_indices_at
         self._index = IndexBuffers(device, arrays + -(-cfg.max_total_seq_len // cfg.page_size) + B)
+        self._planner = Planner(self._index, cfg.page_size)
         self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, device.dlpack_device_type()
         # MLA: the scale of the non-absorbed q.k (qk_nope + rope dims), known once mla_self_dims are
         self._default_sm_scale = cfg.mla_self_dims[0] ** -0.5 if cfg.mla_self_dims else cfg.head_dim**-0.5
@@ -545,41 +543,9 @@ class PagedAttentionKVCache:
                         f"sequence {s} has {len(seq.tree_parent)} uncommitted token-tree nodes; commit them "
                         "(commit_accepted_token_tree_nodes) or pass token_tree_parent_ptr"
                     )
-        P = cfg.page_size
-        B = len(seqs)
-        history = np.fromiter(map(_KV_LEN, seqs), np.int64, B)
-        lens = np.array(lengths, np.int64)
-        have = -(-history // P)  # pages held now (== seq.num_pages, an invariant check_integrity checks)
-        end = history + lens  # kv length of each sequence after the step
-        want = -(-end // P)
-        windowed = np.flatnonzero(np.fromiter(map(_WINDOW, seqs), np.int64, B))
-        partial = np.flatnonzero(history % P)
-        refs = pool.ref_counts()
-        cow = partial[refs[np.fromiter(map(_LAST_PAGE, seqs), np.int64, B)[partial]] > 1]
-        grow = want - have
-        needed = int(grow.sum()) + len(cow)
-        if not pool.ensure_free(needed):
-            raise OutOfPagesError(needed, pool.num_free)
-        # ---- validated: from here on nothing raises for a reason the caller controls
-        cow_set = set(cow.tolist())
-        changed = sorted(cow_set.union(np.flatnonzero(grow).tolist()))  # batch order, as allocation always was
-        for i, g in zip(changed, grow[changed].tolist()):
-            seq = seqs[i]
-            if i in cow_set:  # copy-on-write of a shared partial page
-                page = pool.alloc(1)[0]
-                self._copy_page(seq.last_page, page, seq.kv_len % P)
-                table.copy_on_write(seq, page)
-            if g:
-                table.grow(seq, pool.alloc(g))
-        plan = plan_step(self._index, P, seq_ids, seqs, lens, history, want, windowed, parents)
-        for seq, n in zip(seqs, end.tolist()):
-            seq.kv_len = n
-        if parents is not None:
-            for seq, (p, d) in zip(seqs, parents):
-                seq.tree_parent.extend(p)
-                seq.tree_depth.extend(d)
-                seq.tree_last = len(p)
-        self._index.upload(plan.slot, plan.used)
+        # pages reserved (OutOfPagesError before any change), arrays written, sequences grown (plan.Planner)
+        plan = self._planner.plan(seq_ids, seqs, lengths, parents, pool, table, self._copy_page)
+        ib.upload(plan.slot, plan.used)
         decode = plan.kernel == "paged_decode"
         self._step += 1
         self._fwd = self._launcher.bind(
@@ -588,12 +554,12 @@ class PagedAttentionKVCache:
             plan.total,
             plan.kernel,
             plan.slides,
-            device_views(self._index, plan.slot, plan.layout),
+            self._planner.device_views(plan),
             plan.slot,
-            self._launcher.decode_split(B, plan.max_keys) if decode else NO_SPLIT,
+            self._launcher.decode_split(len(seqs), plan.max_keys) if decode else NO_SPLIT,
         )
-        if decode and not windowed.size:
-            self._repeat = RepeatDecode.after(plan, seqs, want, self._index, pool, table, self._fwd)
+        if decode and not plan.slides:
+            self._repeat = RepeatDecode.after(plan, seqs, plan.npages, ib, pool, table, self._fwd)
 
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Append this layer's new K/V and compute attention for the tokens of the open forward.

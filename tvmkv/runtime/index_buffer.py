@@ -134,6 +134,7 @@ class IndexBuffers:
         self.generation = 0  # bumped whenever the view cache is dropped (see next_slot)
         self.host_tensor: Any = None  # the host buffer (tvm, CPU); ``host`` is a NumPy view of it
         self.host: np.ndarray = np.zeros(0, np.int32)
+        self.host_bytes = self.host.data.cast("B")  # the same memory as bytes (write_concatenated)
         self._dev: list = []
         self._allocate(capacity)
 
@@ -150,6 +151,7 @@ class IndexBuffers:
         self.host_tensor = tvm.runtime.empty((capacity,), "int32", tvm.cpu(0))
         self.host = np.from_dlpack(self.host_tensor)  # writes land in host_tensor's memory
         self.host[:] = 0
+        self.host_bytes = self.host.data.cast("B")
         self._dev = [tvm.runtime.empty((capacity,), "int32", self.device) for _ in range(RING)]
         self._views: list = [{} for _ in range(RING)]
         self._copies: list = [{} for _ in range(RING)]
@@ -164,6 +166,12 @@ class IndexBuffers:
             self._views[slot] = {}
             self.generation += 1
         return slot
+
+    def write_concatenated(self, offset: int, count: int, parts) -> None:
+        """``host[offset : offset + count]`` = the concatenation of the int32 arrays ``parts`` (C
+        contiguous, ``count`` elements in all; ValueError otherwise). ``b"".join`` reads each part
+        through the buffer protocol: half the per-part cost of ``np.concatenate``."""
+        self.host_bytes[4 * offset : 4 * (offset + count)] = b"".join(parts)
 
     def upload(self, slot: int, used: int) -> None:
         """Copy ``host[:used]`` (rounded up to a bucket) to device slot ``slot``: one copy."""

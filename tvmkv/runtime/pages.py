@@ -34,7 +34,8 @@ class PagePool:
     """``num_pages`` pages: a free list (low ids handed out first) and a ref count per page.
 
     ``version`` changes with every allocation, hold or release, so a plan that depends on ref counts
-    (copy-on-write decisions) can tell whether it is still valid.
+    (copy-on-write decisions) can tell whether it is still valid. ``num_shared`` counts the pages held
+    more than once (the step planner skips its copy-on-write search while there are none).
     """
 
     def __init__(self, num_pages: int):
@@ -43,6 +44,7 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._holders: list = []
         self.version = 0
+        self.num_shared = 0  # pages whose ref count is > 1
 
     # ------------------------------------------------------------------ queries
     @property
@@ -57,6 +59,11 @@ class PagePool:
         view = self._ref.view()
         view.flags.writeable = False
         return view
+
+    def ref_counts_of(self, pages: np.ndarray) -> np.ndarray:
+        """The ref counts of ``pages`` (int64 ``[k]``; negative ids index from the end, as NumPy
+        does: mask them out), a new int32 ``[k]`` array."""
+        return self._ref[pages]
 
     @property
     def holders(self) -> tuple:
@@ -74,7 +81,11 @@ class PagePool:
 
     def hold(self, pages: Iterable[int]) -> None:
         """One more reference on each entry of ``pages`` (already referenced; repeats add up)."""
-        np.add.at(self._ref, np.asarray(pages, np.int64), 1)
+        pages = np.asarray(pages, np.int64)
+        ref, once = self._ref, np.unique(pages)
+        single = ref[once] <= 1
+        np.add.at(ref, pages, 1)
+        self.num_shared += int(np.count_nonzero(single & (ref[once] > 1)))
         self.version += 1
 
     def release(self, pages: Iterable[int]) -> None:
@@ -83,8 +94,11 @@ class PagePool:
         ref, free = self._ref, self._free
         for p in pages.tolist() if isinstance(pages, np.ndarray) else pages:
             ref[p] -= 1
-            if ref[p] == 0:
+            left = ref[p]
+            if left == 0:
                 free.append(p)
+            elif left == 1:
+                self.num_shared -= 1
 
     def ensure_free(self, needed: int) -> bool:
         """True when ``needed`` pages are free, after asking page holders to evict pages only they
@@ -104,6 +118,7 @@ class PagePool:
         """Every page free, every reference gone; holders forget theirs."""
         self._ref[:] = 0
         self._free = list(range(self.num_pages - 1, -1, -1))
+        self.num_shared = 0
         self.version += 1
         for holder in self._holders:
             holder.forget_pages()
@@ -126,6 +141,9 @@ class PagePool:
             problems.append("a page is on the free list twice")
         if any(self._ref[p] for p in free):
             problems.append("a page on the free list is referenced")
+        shared = int((self._ref > 1).sum())
+        if shared != self.num_shared:
+            problems.append(f"{shared} pages are held more than once, num_shared says {self.num_shared}")
         used = int((self._ref > 0).sum())
         if used + len(self._free) != self.num_pages:
             problems.append(f"free {len(self._free)} + used {used} != total {self.num_pages}")

@@ -1,10 +1,22 @@
 """The step planner: every index array of one forward, written into one packed host buffer.
 
-``begin_forward`` (the facade) validates a step and reserves its pages; :func:`plan_step` then writes
-the step's index arrays (docs/layout.md, "Page tables", "Ragged queries", "Token trees") into the
-packed int32 host buffer of :class:`~tvmkv.runtime.index_buffer.IndexBuffers`, vectorized over tokens
-and pages, and returns a :class:`StepPlan` naming where each array sits (:class:`PackedLayout`).
-The facade uploads the used prefix in one copy.
+``begin_forward`` (the facade) validates a step; :meth:`Planner.plan` then reserves its pages (new
+pages, copy-on-write of shared partial pages), writes the step's index arrays (docs/layout.md, "Page
+tables", "Ragged queries", "Token trees") into the packed int32 host buffer of
+:class:`~tvmkv.runtime.index_buffer.IndexBuffers`, vectorized over tokens and pages, grows the
+sequences, and returns a :class:`StepPlan` naming where each array sits (:class:`PackedLayout`). The
+facade uploads the used prefix in one copy.
+
+The planner keeps, per shape ``(B, n, tree rows)`` of a forward, its layout, the host views of its
+arrays, their device views per ring slot and (decode) the constant part of its arrays
+(:class:`StepShape`), so a step builds no layout and no view. A decode step of a changed batch (one
+token per sequence, no token tree: what a server runs between arrivals, departures, forks and
+preemptions) has paths of its own: up to :data:`_FEW` sequences over Python ints (a NumPy call costs
+more than the Python for a few sequences), above that about fifteen whole-batch NumPy calls; Python
+per sequence only for those that get a page. Copy-on-write is looked for only while some page is
+shared (``PagePool.num_shared``). Other forwards (prefill, mixed, token trees) take the general path,
+:func:`plan_step`. Every path writes the same arrays for the same input (tests/test_planner.py
+checks them against docs/layout.md).
 
 A decode step of the same batch as the decode step before it (same ids in the same order, one token
 each, nothing changed in between) needs no planning: :class:`RepeatDecode` keeps the previous step's
@@ -17,10 +29,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
+from ..errors import OutOfPagesError
 from .index_buffer import IndexBuffers, align
 from .pages import PagePool
 from .sequences import SequenceTable
@@ -44,6 +59,11 @@ PACKED = (
 
 _KV_LEN = attrgetter("kv_len")
 _PAGES = attrgetter("pages")
+_LAST_PAGE = attrgetter("last_page")
+_WINDOW = attrgetter("window")
+_NONE = np.zeros(0, np.int64)
+_FEW = 64  # decode batches up to this size are planned over Python ints (Planner._decode_few)
+_MAX_SHAPES = 256  # shapes the planner keeps before it starts over (a prefill's totals vary)
 
 
 @dataclass(frozen=True)
@@ -77,7 +97,39 @@ class PackedLayout:
         return self.page_indices_at + max(nnz, 1)
 
 
-@dataclass
+@dataclass(slots=True)
+class StepShape:
+    """One forward shape's :class:`PackedLayout`, with host views of its arrays in the buffer ``host``
+    (rebound when the buffer grows) and, for a decode shape, ``template``: the part of the buffer before
+    ``page_indices`` as a decode step of this shape writes it before its per-sequence arrays
+    (``q_indptr = 0..B``, every other array 0)."""
+
+    layout: PackedLayout
+    host: np.ndarray | None = None
+    views: dict | None = None  # name -> host view
+    prefix: np.ndarray | None = None  # host[:page_indices_at]
+    zero: np.ndarray | None = None  # kv_window .. kv_tree_start (contiguous): zeroed by every plan
+    template: np.ndarray | None = None
+    rows: np.ndarray | None = None  # decode: [4, B] view of q_pos, slots, last_page_len, page_indptr[:B]
+    dev: dict | None = None  # device slot -> device views (launch.device_views), for ``generation``
+    generation: int = -1
+
+    def bind(self, host: np.ndarray) -> None:
+        """Take the views of this shape's arrays in ``host`` (the buffer of ``IndexBuffers``)."""
+        layout = self.layout
+        self.host = host
+        self.views = {name: layout.array(host, name) for name in PACKED}
+        self.prefix = host[: layout.page_indices_at]
+        lo, hi = layout.arrays["kv_window"][0], layout.arrays["kv_tree_start"][0]
+        self.zero = host[lo : hi + math.prod(layout.arrays["kv_tree_start"][1])]
+        B = layout.arrays["last_page_len"][1][0]
+        at = [layout.arrays[name][0] for name in ("q_pos", "slots", "last_page_len", "page_indptr")]
+        stride = at[1] - at[0]
+        if layout.arrays["q_pos"][1] == (B,) and at == [at[0] + k * stride for k in range(4)]:  # decode
+            self.rows = host[at[0] : at[0] + 4 * stride].reshape(4, stride)[:, :B]
+
+
+@dataclass(slots=True)
 class StepPlan:
     """One planned forward: its batch, the attention kernel it runs and where its arrays are."""
 
@@ -90,10 +142,240 @@ class StepPlan:
     slot: int  # device slot of the index buffer ring
     nnz: int  # page_indices entries
     max_keys: int  # the longest sequence's kv length after the step (plans the decode split)
+    shape: StepShape | None = None
+    npages: Any = None  # [B] pages of each sequence after the step (int array or list of ints)
 
     @property
     def used(self) -> int:
         return self.layout.used(self.nnz)
+
+
+class Planner:
+    """Plans the forwards of one cache into ``ib`` (see the module docstring); keeps a
+    :class:`StepShape` per forward shape and the device views of each (slot, shape)."""
+
+    def __init__(self, ib: IndexBuffers, page_size: int):
+        self.ib, self.page_size = ib, page_size
+        self._shapes: dict = {}
+        self.few = _FEW
+
+    def shape(self, batch: int, total: int, tree_rows: int) -> StepShape:
+        """The :class:`StepShape` of a forward (views not bound: :meth:`bound`)."""
+        key = (batch, total, tree_rows)
+        shape = self._shapes.get(key)
+        if shape is None:
+            if len(self._shapes) >= _MAX_SHAPES:
+                self._shapes = {}
+            shape = self._shapes[key] = StepShape(PackedLayout.of(batch, total, tree_rows))
+        return shape
+
+    def bound(self, shape: StepShape) -> StepShape:
+        """``shape`` with its views bound to the current host buffer (call after ``ib.next_slot``)."""
+        if shape.host is not self.ib.host:
+            shape.bind(self.ib.host)
+        return shape
+
+    def device_views(self, plan: StepPlan) -> dict:
+        """Device views of every packed array of ``plan`` (:func:`launch.device_views`, kept per slot
+        and shape while the buffers' view cache stands)."""
+        shape, ib = plan.shape, self.ib
+        assert shape is not None
+        if shape.generation != ib.generation or shape.dev is None:
+            shape.dev, shape.generation = {}, ib.generation
+        dev = shape.dev.get(plan.slot)
+        if dev is None:
+            layout = shape.layout
+            dev = {name: ib.view(plan.slot, off, shp) for name, (off, shp) in layout.arrays.items()}
+            dev["page_indices"] = ib.tail(plan.slot, layout.page_indices_at)
+            shape.dev[plan.slot] = dev
+        return dev
+
+    def plan(self, seq_ids: list, seqs: list, lengths: list, parents, pool: PagePool, table: SequenceTable, copy_page):
+        """Reserve the pages of a validated forward, write its index arrays and grow its sequences.
+
+        ``seqs`` are the records of ``seq_ids``, ``lengths`` their new tokens (ints > 0), ``parents``
+        per sequence (new parents, new depths) of a token-tree forward, else None. Pages: each sequence
+        gets the pages its new tokens need, in batch order; one whose partial last page is shared (ref
+        count > 1) first gets a copy of it (``copy_page(src, dst, num_slots)``). Raises
+        OutOfPagesError, having changed nothing, when too few pages are free. Afterwards every
+        sequence's ``kv_len`` (and token tree) includes the new tokens.
+        """
+        if parents is None and len(lengths) == sum(lengths):
+            if len(seqs) <= self.few:
+                return self._decode_few(seq_ids, seqs, pool, table, copy_page)
+            return self._decode(seq_ids, seqs, pool, table, copy_page)
+        P, B = self.page_size, len(seqs)
+        history = np.fromiter(map(_KV_LEN, seqs), np.int64, B)
+        lens = np.array(lengths, np.int64)
+        have = -(-history // P)  # pages held now (== seq.num_pages, an invariant check_integrity checks)
+        end = history + lens  # kv length of each sequence after the step
+        want = -(-end // P)
+        windowed = np.flatnonzero(np.fromiter(map(_WINDOW, seqs), np.int64, B))
+        partial = np.flatnonzero(history % P)
+        last = np.fromiter(map(_LAST_PAGE, seqs), np.int64, B)
+        cow = partial[pool.ref_counts_of(last[partial]) > 1]
+        grow = want - have
+        needed = int(grow.sum()) + len(cow)
+        if not pool.ensure_free(needed):
+            raise OutOfPagesError(needed, pool.num_free)
+        reserve(seqs, cow, grow, pool, table, copy_page, P)
+        plan = plan_step(self, seq_ids, seqs, lens, history, want, windowed, parents)
+        for seq, n in zip(seqs, end.tolist()):
+            seq.kv_len = n
+        if parents is not None:
+            for seq, (p, d) in zip(seqs, parents):
+                seq.tree_parent.extend(p)
+                seq.tree_depth.extend(d)
+                seq.tree_last = len(p)
+        return plan
+
+    def _decode_few(self, seq_ids: list, seqs: list, pool: PagePool, table: SequenceTable, copy_page) -> StepPlan:
+        """:meth:`_decode` for a few sequences, over Python ints (a NumPy call costs more than the
+        Python for a sequence): the same arrays."""
+        P, B, ib = self.page_size, len(seqs), self.ib
+        hist = list(map(_KV_LEN, seqs))
+        opens = [i for i, h in enumerate(hist) if not h % P]
+        cow = []
+        if pool.num_shared:
+            refs = pool.ref_counts_of(np.fromiter(map(_LAST_PAGE, seqs), np.int64, B)).tolist()
+            cow = [i for i, (h, r) in enumerate(zip(hist, refs)) if h % P and r > 1]
+        if opens or cow:
+            _decode_pages(seqs, opens, cow, pool, table, copy_page, P)
+        npages = [h // P + 1 for h in hist]
+        starts = [0, *accumulate(npages)]  # page_indptr
+        nnz = starts[-1]
+        shape = self.shape(B, B, 1)
+        layout = shape.layout
+        slot = ib.next_slot(layout.used(nnz))
+        v = self._decode_views(shape)
+        assert shape.rows is not None
+        off = [h % P for h in hist]
+        slots = [seq.last_page * P + o for seq, o in zip(seqs, off)]
+        # q_pos, slots, last_page_len, page_indptr[:B] (one conversion, one copy: cheaper than four)
+        shape.rows[...] = np.array((hist, slots, [o + 1 for o in off], starts[:-1]), np.int32)
+        v["page_indptr"][B] = nnz
+        ib.write_concatenated(layout.page_indices_at, nnz, map(_PAGES, seqs))
+        slides = self._decode_windows(seqs, v) if table.num_windowed and any(map(_WINDOW, seqs)) else []
+        for seq in seqs:
+            seq.kv_len += 1
+        return StepPlan(seq_ids, [1] * B, B, "paged_decode", slides, layout, slot, nnz, max(hist) + 1, shape, npages)
+
+    def _decode_views(self, shape: StepShape) -> dict:
+        """The host views of a decode ``shape`` with everything but its per-sequence arrays written:
+        q_indptr = 0..B, kv_window and the tree arrays 0 (one copy of its template)."""
+        if shape.host is not self.ib.host:
+            shape.bind(self.ib.host)
+        layout = shape.layout
+        if shape.template is None:
+            shape.template = np.zeros(layout.page_indices_at, np.int32)
+            q_indptr = layout.array(shape.template, "q_indptr")
+            q_indptr[:] = np.arange(len(q_indptr))
+        assert shape.prefix is not None and shape.views is not None
+        shape.prefix[:] = shape.template
+        return shape.views
+
+    @staticmethod
+    def _decode_windows(seqs: list, v: dict) -> list:
+        """kv_window and q_pos of a decode step's windowed sequences; returns them (they slide)."""
+        slides, kv_window, q_pos = [], v["kv_window"], v["q_pos"]
+        for b, seq in enumerate(seqs):
+            if seq.window:
+                slides.append(seq)
+                kv_window[b] = (seq.sink_end, seq.window_start, -seq.gap)
+                if q_pos[b] >= seq.sink_end:
+                    q_pos[b] -= seq.gap
+        return slides
+
+    def _decode(self, seq_ids: list, seqs: list, pool: PagePool, table: SequenceTable, copy_page) -> StepPlan:
+        """:meth:`plan` of one new token per sequence, no token tree: the arrays of :func:`plan_step`
+        for ``lens = 1`` (page_indptr = cumsum(kv_len // P + 1), last_page_len = kv_len % P + 1, slot
+        = last page * P + kv_len % P, q_pos = kv_len, shifted by a window's gap), whole-batch, in
+        int32 (what the arrays hold)."""
+        P, B, ib = self.page_size, len(seqs), self.ib
+        hist = np.fromiter(map(_KV_LEN, seqs), np.int32, B)  # slots before the step = the new token's
+        last = np.fromiter(map(_LAST_PAGE, seqs), np.int32, B)  # -1 without pages (then off == 0)
+        # (ufunc methods and ndarray.nonzero: NumPy's Python wrappers cost more than the work here)
+        npages, off = np.divmod(hist, P)  # full pages; the new token's offset, 0: it opens a page
+        opens = (off == 0).nonzero()[0]
+        cow = _NONE
+        if pool.num_shared:  # some page is shared: maybe a partial last page (copy-on-write)
+            shared = pool.ref_counts_of(last)  # (a sequence without pages has off 0)
+            shared -= 1
+            shared *= off  # > 0: shared and partial
+            cow = shared.nonzero()[0]
+        if len(opens) or len(cow):
+            rows, new = _decode_pages(seqs, opens.tolist(), cow.tolist(), pool, table, copy_page, P)
+            last[rows] = new
+        npages += 1  # pages after the step
+        ends = np.add.accumulate(npages)
+        nnz = int(ends[-1])
+        shape = self.shape(B, B, 1)
+        layout = shape.layout
+        slot = ib.next_slot(layout.used(nnz))
+        v = self._decode_views(shape)
+        v["page_indptr"][1:] = ends
+        pi = layout.page_indices_at
+        ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
+        np.add(off, 1, out=v["last_page_len"])
+        slots = v["slots"]
+        np.multiply(last, P, out=slots)
+        slots += off
+        q_pos = v["q_pos"]
+        q_pos[:] = hist
+        slides = self._decode_windows(seqs, v) if table.num_windowed and any(map(_WINDOW, seqs)) else []
+        for seq in seqs:
+            seq.kv_len += 1
+        return StepPlan(
+            seq_ids=seq_ids,
+            lengths=[1] * B,
+            total=B,
+            kernel="paged_decode",
+            slides=slides,
+            layout=layout,
+            slot=slot,
+            nnz=nnz,
+            max_keys=int(np.maximum.reduce(hist)) + 1,
+            shape=shape,
+            npages=npages,
+        )
+
+
+def _decode_pages(seqs: list, opens: list, cow: list, pool: PagePool, table: SequenceTable, copy_page, P: int):
+    """Reserve a decode step's pages: a new page for the rows ``opens``, a copy of the shared partial
+    last page for the rows ``cow`` (:func:`reserve`'s order and ids). Returns (rows, their new last
+    pages); raises OutOfPagesError, having changed nothing, when too few pages are free."""
+    needed = len(opens) + len(cow)
+    if not pool.ensure_free(needed):
+        raise OutOfPagesError(needed, pool.num_free)
+    new = pool.alloc(needed)  # handed out in batch order, as reserve() does (a copy frees no page)
+    if not cow:
+        table.grow_each([seqs[i] for i in opens], new)
+        return opens, new
+    rows = sorted(cow + opens)
+    for i, page in zip(rows, new):
+        seq = seqs[i]
+        if seq.kv_len % P:
+            copy_page(seq.last_page, page, seq.kv_len % P)
+            table.copy_on_write(seq, page)
+        else:
+            table.grow(seq, [page])
+    return rows, new
+
+
+def reserve(seqs: list, cow: np.ndarray, grow: np.ndarray, pool: PagePool, table: SequenceTable, copy_page, P: int):
+    """Give the sequences at rows ``cow`` a copy of their shared partial last page (``copy_page(src,
+    dst, num_slots)``) and each ``seqs[i]`` ``grow[i]`` new pages, in batch order (a copy before the
+    new pages of its sequence). The caller checked that enough pages are free."""
+    cow_set = set(cow.tolist())
+    changed = sorted(cow_set.union(np.flatnonzero(grow).tolist()))
+    for i, g in zip(changed, grow[changed].tolist()):
+        seq = seqs[i]
+        if i in cow_set:  # copy-on-write of a shared partial page
+            page = pool.alloc(1)[0]
+            copy_page(seq.last_page, page, seq.kv_len % P)
+            table.copy_on_write(seq, page)
+        if g:
+            table.grow(seq, pool.alloc(g))
 
 
 def choose_kernel(tree: bool, total: int, batch: int, has_history: bool) -> str:
@@ -107,8 +389,8 @@ def choose_kernel(tree: bool, total: int, batch: int, has_history: bool) -> str:
     return "paged_prefill_causal"
 
 
-def plan_step(ib: IndexBuffers, page_size: int, seq_ids, seqs, lens, history, npages, windowed, parents) -> StepPlan:
-    """Write the index arrays of one forward (docs/layout.md) into ``ib.host``.
+def plan_step(planner: Planner, seq_ids, seqs, lens, history, npages, windowed, parents) -> StepPlan:
+    """Write the index arrays of one forward (docs/layout.md) into ``planner.ib.host``.
 
     Called once the pages are reserved: ``seqs`` list their pages after the step. ``lens`` (new
     tokens), ``history`` (slots before this forward) and ``npages`` (pages after it) are int64
@@ -116,30 +398,32 @@ def plan_step(ib: IndexBuffers, page_size: int, seq_ids, seqs, lens, history, np
     parents, new depths) of a token-tree forward, else None. Vectorized over tokens and pages; Python
     loops only over windowed sequences and, in a tree forward, over its sequences.
     """
-    P = page_size
+    ib, P = planner.ib, planner.page_size
     B, total = len(seqs), int(lens.sum())
     tree = parents is not None
     tree_rows = sum(len(seq.tree_parent) + len(p) for seq, (p, _) in zip(seqs, parents)) if tree else 0
-    layout = PackedLayout.of(B, total, max(tree_rows, 1))
+    shape = planner.shape(B, total, max(tree_rows, 1))
+    layout = shape.layout
     nnz = int(npages.sum())
     slot = ib.next_slot(layout.used(nnz))
     host = ib.host
-    arr = layout.array
+    v = planner.bound(shape).views
+    assert v is not None and shape.zero is not None
+    shape.zero[:] = 0  # kv_window and the token-tree arrays (and the padding between them)
 
-    q_indptr, page_indptr = arr(host, "q_indptr"), arr(host, "page_indptr")
+    q_indptr, page_indptr = v["q_indptr"], v["page_indptr"]
     q_indptr[0] = page_indptr[0] = 0
     np.cumsum(lens, out=q_indptr[1:])
     np.cumsum(npages, out=page_indptr[1:])
     pi = layout.page_indices_at
     page_indices = host[pi : pi + max(nnz, 1)]
     if nnz:
-        np.concatenate(list(map(_PAGES, seqs)), out=page_indices)
+        ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
     else:
         page_indices[0] = 0
     end = history + lens
-    arr(host, "last_page_len")[:] = np.where(npages > 0, end - (npages - 1) * P, 0)
-    kv_window = arr(host, "kv_window")
-    kv_window[:] = 0
+    v["last_page_len"][:] = np.where(npages > 0, end - (npages - 1) * P, 0)
+    kv_window = v["kv_window"]
     # token t of sequence b sits at slot history[b] + (t - q_indptr[b]) of that sequence
     seq_of: slice | np.ndarray
     if total == B:
@@ -147,19 +431,15 @@ def plan_step(ib: IndexBuffers, page_size: int, seq_ids, seqs, lens, history, np
     else:
         seq_of = np.repeat(np.arange(B), lens)
         pos = np.arange(total) - np.repeat(q_indptr[:-1] - history, lens)
-    arr(host, "slots")[:] = page_indices[page_indptr[:-1][seq_of] + pos // P] * P + pos % P
-    q_pos = arr(host, "q_pos")
+    v["slots"][:] = page_indices[page_indptr[:-1][seq_of] + pos // P] * P + pos % P
+    q_pos = v["q_pos"]
     q_pos[:] = pos
     for b in windowed.tolist():
         seq = seqs[b]
         kv_window[b] = (seq.sink_end, seq.window_start, -seq.gap)
         lo, hi = q_indptr[b], q_indptr[b + 1]
         q_pos[lo:hi] = np.where(q_pos[lo:hi] < seq.sink_end, q_pos[lo:hi], q_pos[lo:hi] - seq.gap)
-    q_tree, kv_tree_indptr, kv_tree, kv_tree_start = (arr(host, n) for n in PACKED[6:])
-    q_tree[:] = 0
-    kv_tree_indptr[:] = 0
-    kv_tree[:] = 0
-    kv_tree_start[:] = 0
+    q_tree, kv_tree_indptr, kv_tree, kv_tree_start = (v[n] for n in PACKED[6:])
     if tree:
         at = 0
         for b, (seq, (new_parents, new_depths)) in enumerate(zip(seqs, parents)):
@@ -186,6 +466,8 @@ def plan_step(ib: IndexBuffers, page_size: int, seq_ids, seqs, lens, history, np
         slot=slot,
         nnz=nnz,
         max_keys=int(end.max()),
+        shape=shape,
+        npages=npages,
     )
 
 
@@ -234,63 +516,73 @@ class RepeatDecode:
     """The last decode step's plan, kept so that a decode step of the same batch (same ids in the same
     order, one token each, nothing changed in between: the pool's and the table's versions) advances it
     in place (:meth:`advance`). The arrays are views of the packed host buffer, which still holds that
-    step's index arrays."""
+    step's index arrays. Made after every decode step, so it records only what it is given; the views
+    and counts it advances are taken on its first use (:meth:`ready`): a batch that changes every step
+    pays nothing for them."""
 
     seq_ids: list
     seqs: list
     ones: list  # [1] * B, compared with the next step's append_lengths
     pool_version: int  # pool.version after the step
     table_version: int  # table.version after the step
-    npages: np.ndarray  # int64 [B] pages of each sequence
     host: np.ndarray  # the packed host buffer the views below point into
-    slots: np.ndarray
-    last_page_len: np.ndarray
-    advance_view: np.ndarray  # one view from q_pos to the end of last_page_len (padding included)
-    page_indptr: np.ndarray
-    layout: PackedLayout
-    pi: int  # offset of page_indices in the packed buffer
-    nnz: int  # page_indices entries
-    max_keys: int  # the longest sequence's kv length after the step
-    room: int  # steps before some sequence's last page is full (P - max(last_page_len))
+    plan: StepPlan
     page_size: int
     generation: int  # IndexBuffers.generation the cached forwards' views belong to
     forwards: dict  # device slot -> bound launch.Forward
     pool: PagePool
     table: SequenceTable
     ib: IndexBuffers
+    npages: Any  # int64 [B] pages of each sequence
+    # taken from ``plan`` by ready():
+    slots: Any = None
+    last_page_len: Any = None
+    advance_view: Any = None  # one view from q_pos to the end of last_page_len (padding included)
+    page_indptr: Any = None
+    layout: Any = None  # PackedLayout
+    pi: int = 0  # offset of page_indices in the packed buffer
+    nnz: int = 0  # page_indices entries
+    max_keys: int = 0  # the longest sequence's kv length after the step
+    room: int = 0  # steps before some sequence's last page is full (P - max(last_page_len))
+    is_ready: bool = False
 
     @classmethod
     def after(
         cls, plan: StepPlan, seqs: list, npages, ib: IndexBuffers, pool: PagePool, table: SequenceTable, forward
     ) -> RepeatDecode:
-        """Remember the decode step ``plan`` (just bound as ``forward``)."""
-        page_size = table.page_size
-        host, layout = ib.host, plan.layout
-        lpl = layout.array(host, "last_page_len")
+        """Remember the decode step ``plan`` (just bound as ``forward``; ``npages`` its pages per
+        sequence, which the kept plan then owns)."""
         return cls(
-            seq_ids=plan.seq_ids,
-            seqs=seqs,
-            ones=[1] * len(seqs),
-            pool_version=pool.version,
-            table_version=table.version,
-            npages=npages.astype(np.int64),
-            host=host,
-            slots=layout.array(host, "slots"),
-            last_page_len=lpl,
-            advance_view=host[layout.arrays["q_pos"][0] : layout.arrays["last_page_len"][0] + len(seqs)],
-            page_indptr=layout.array(host, "page_indptr"),
-            layout=layout,
-            pi=layout.page_indices_at,
-            nnz=plan.nnz,
-            max_keys=plan.max_keys,
-            room=page_size - int(lpl.max()),
-            page_size=page_size,
-            generation=ib.generation,
-            forwards={plan.slot: forward},
-            pool=pool,
-            table=table,
-            ib=ib,
+            plan.seq_ids,
+            seqs,
+            plan.lengths,  # [1] * B (a decode plan's)
+            pool.version,
+            table.version,
+            ib.host,
+            plan,
+            table.page_size,
+            ib.generation,
+            {plan.slot: forward},
+            pool,
+            table,
+            ib,
+            npages,
         )
+
+    def ready(self) -> None:
+        """Take the views and counts :meth:`advance` updates from the plan (once)."""
+        plan, host = self.plan, self.host
+        layout, shape = plan.layout, plan.shape
+        views = shape.views if shape is not None and shape.host is host else None
+        if views is None:
+            views = {name: layout.array(host, name) for name in ("slots", "last_page_len", "page_indptr")}
+        lpl = self.last_page_len = views["last_page_len"]
+        self.slots, self.page_indptr = views["slots"], views["page_indptr"]
+        self.npages = np.asarray(self.npages, np.int64)
+        self.advance_view = host[layout.arrays["q_pos"][0] : layout.arrays["last_page_len"][0] + len(self.seqs)]
+        self.layout, self.pi, self.nnz, self.max_keys = layout, layout.page_indices_at, plan.nnz, plan.max_keys
+        self.room = self.page_size - int(lpl.max())
+        self.is_ready = True
 
     def advance(self, seq_ids, append_lengths) -> bool:
         """Advance the kept plan by one decode step when ``(seq_ids, append_lengths)`` repeats it.
@@ -304,6 +596,8 @@ class RepeatDecode:
             return False
         if list(seq_ids) != self.seq_ids or list(append_lengths) != self.ones:
             return False
+        if not self.is_ready:
+            self.ready()
         seqs, P, lpl = self.seqs, self.page_size, self.last_page_len
         opens = np.flatnonzero(lpl == P) if self.room == 0 else np.zeros(0, np.int64)  # new tokens opening a page
         pi = self.pi
@@ -316,7 +610,7 @@ class RepeatDecode:
             self.npages[opens] += 1
             self.nnz += len(opens)
             np.cumsum(self.npages, out=self.page_indptr[1:])
-            np.concatenate(list(map(_PAGES, seqs)), out=self.host[pi : pi + self.nnz])
+            ib.write_concatenated(pi, self.nnz, map(_PAGES, seqs))
         # every token is one slot and one position further than its sequence's previous one, and every
         # last page one slot fuller: q_pos, slots, last_page_len (+ unread padding) += 1
         self.advance_view += 1
@@ -342,6 +636,8 @@ class RepeatDecode:
         pool, table = self.pool, self.table
         if (pool.version, table.version) != (self.pool_version, self.table_version):
             return []
+        if not self.is_ready:
+            self.ready()
         problems = []
         host, layout, P = self.host, self.layout, self.page_size
         pi = layout.page_indices_at

@@ -125,6 +125,16 @@ class Sequence:
         self._buf[self._n : n] = pages
         self._set(n)
 
+    def append_page(self, page: int) -> None:
+        """:meth:`append_pages` of one page (the planner's decode step: no list, no slice copy)."""
+        n = self._n
+        if n == len(self._buf):
+            buf = np.zeros(max(16, 2 * n), np.int32)
+            buf[:n] = self.pages
+            self._buf = buf
+        self._buf[n] = page
+        self._n, self.pages, self.last_page = n + 1, self._buf[: n + 1], page
+
     def replace_last_page(self, page: int) -> None:
         self._buf[self._n - 1] = page
         self.last_page = page
@@ -174,6 +184,7 @@ class SequenceTable:
         # ids claimed by something in progress (an import): seq id -> (what, abandon callback)
         self.reserved: dict = {}
         self.version = 0
+        self.num_windowed = 0  # resident sequences with a sliding window (the planner skips windows at 0)
 
     # ------------------------------------------------------------------ lookups (ids checked)
     def get(self, seq_id) -> Sequence:
@@ -238,7 +249,9 @@ class SequenceTable:
         if seq_id in self.swapped:
             del self.swapped[seq_id]
         else:
-            self.pool.release(self.resident.pop(seq_id).pages)
+            seq = self.resident.pop(seq_id)
+            self.num_windowed -= seq.window > 0
+            self.pool.release(seq.pages)
         self.version += 1
 
     def fork(self, parent: Sequence, child_id: int, fork_pos: int, copy_partial: Callable) -> None:
@@ -264,6 +277,7 @@ class SequenceTable:
         self.version += 1
 
     def set_window(self, seq: Sequence, window: int, sink: int) -> None:
+        self.num_windowed += (window > 0) - (seq.window > 0)
         seq.window, seq.sink, seq.sink_end, seq.window_start = window, sink, sink, sink
         self.version += 1
         self.slide(seq)
@@ -292,6 +306,12 @@ class SequenceTable:
         seq.append_pages(pages)
         self.version += 1
 
+    def grow_each(self, seqs: list, pages: list) -> None:
+        """Append ``pages[i]`` (freshly allocated) to ``seqs[i]``'s page list, for every ``i``."""
+        for seq, page in zip(seqs, pages):
+            seq.append_page(page)
+        self.version += 1
+
     def copy_on_write(self, seq: Sequence, page: int) -> None:
         """``page`` (freshly allocated, a copy of the shared last page) replaces that page."""
         self.pool.release([seq.last_page])
@@ -301,6 +321,7 @@ class SequenceTable:
     def swap_out(self, seq_id: int) -> Sequence:
         """Move ``seq_id`` to the swapped table; its page references are released."""
         seq = self.resident.pop(seq_id)
+        self.num_windowed -= seq.window > 0
         self.pool.release(seq.truncate_pages(0))
         self.swapped[seq_id] = seq
         self.version += 1
@@ -311,12 +332,14 @@ class SequenceTable:
         seq = self.swapped.pop(seq_id)
         seq.set_pages(pages)
         self.resident[seq_id] = seq
+        self.num_windowed += seq.window > 0
         self.version += 1
 
     def clear(self) -> None:
         self.resident.clear()
         self.swapped.clear()
         self.reserved.clear()
+        self.num_windowed = 0
         self.version += 1
 
     # ------------------------------------------------------------------ integrity
@@ -337,6 +360,9 @@ class SequenceTable:
                 problems.append(f"sequence {sid}: inconsistent token tree")
             if seq.window and not (seq.sink_end <= seq.window_start <= max(seq.kv_len, seq.sink_end)):
                 problems.append(f"sequence {sid}: window bounds {seq.sink_end}, {seq.window_start}, {seq.kv_len}")
+        windowed = sum(seq.window > 0 for seq in self.resident.values())
+        if windowed != self.num_windowed:
+            problems.append(f"{windowed} resident sequences have a window, num_windowed says {self.num_windowed}")
         both = set(self.swapped) & set(self.resident)
         if both:
             problems.append(f"sequences {sorted(both)} are both on the device and swapped out")

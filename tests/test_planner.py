@@ -1,0 +1,286 @@
+"""The step planner's index arrays against an independent NumPy construction of docs/layout.md.
+
+Random streams of add / remove / fork / pop_n / sliding-window / decode (new batches, reordered
+batches, repeated batches: the fast path) / prefill / token-tree / commit operations drive a small
+llvm cache through its public API; after every ``begin_forward`` each array ``debug_forward()`` reads
+back from the device must equal what the layout document defines, built here from the sequences'
+public state before the step (``sequence_info``, ``pool.ref_count``) and the tree parents this test
+issued. Pages are checked too: a sequence keeps its pages, a shared partial last page is replaced by
+a copy (copy-on-write), new pages come last, and a forward the pool cannot serve changes nothing.
+No attention runs (the kernels are the real llvm ones: copy-on-write copies pages).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tvmkv import PagedAttentionKVCache
+from tvmkv.errors import OutOfPagesError
+
+P = 4
+FEW = 64  # plan.Planner plans decode batches up to this size over Python ints, larger ones with NumPy
+
+
+def _make_cache(num_pages: int, max_batch: int) -> PagedAttentionKVCache:
+    return PagedAttentionKVCache(
+        1,
+        4,
+        2,
+        64,
+        page_size=P,
+        max_batch_size=max_batch,
+        max_total_seq_len=num_pages * P,
+        prefill_chunk_size=128,
+        dtype="float32",
+        target="llvm",
+        support_sliding_window=True,
+        num_pages=num_pages,
+    )
+
+
+def _dfs(parents: list) -> tuple:
+    """(enter, exit) preorder numbers of a forest (children in index order); exit = the largest
+    enter number in the node's subtree."""
+    children: list = [[] for _ in parents]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children[p].append(i)
+    enter, exit_ = [0] * len(parents), [0] * len(parents)
+    counter = 0
+
+    def visit(node: int) -> None:
+        nonlocal counter
+        enter[node] = counter
+        counter += 1
+        for c in children[node]:
+            visit(c)
+        exit_[node] = counter - 1
+
+    for i, p in enumerate(parents):
+        if p < 0:
+            visit(i)
+    return enter, exit_
+
+
+def _expected(before: dict, after: dict, batch: list, lengths: list, trees: dict, new_parents) -> dict:
+    """docs/layout.md's arrays of a forward of ``batch`` / ``lengths``: ``before`` / ``after`` map ids to
+    ``sequence_info`` before and after ``begin_forward``; ``trees`` the uncommitted tree parents before
+    the step, ``new_parents`` the step's per-sequence parent lists (tree forward) or None."""
+    B, n = len(batch), sum(lengths)
+    q_indptr = np.concatenate([[0], np.cumsum(lengths)])
+    npages = [len(after[s].pages) for s in batch]
+    page_indptr = np.concatenate([[0], np.cumsum(npages)])
+    page_indices = np.array([p for s in batch for p in after[s].pages], np.int64)
+    last_page_len, q_pos, slots, kv_window = [], [], [], []
+    q_tree, kv_tree, kv_tree_indptr, kv_tree_start = [], [], [0], []
+    for b, (s, k) in enumerate(zip(batch, lengths)):
+        info, pages = before[s], after[s].pages
+        kv_after = info.kv_len + k
+        assert after[s].kv_len == kv_after, "the forward's tokens are appended"
+        last_page_len.append(kv_after - (len(pages) - 1) * P if pages else 0)
+        gap = info.kv_len - info.length if info.window else 0  # slots slid out (no tree with a window)
+        sink_end = info.sink if info.window else 0
+        kv_window.append((sink_end, sink_end + gap, -gap))
+        for j in range(info.kv_len, kv_after):
+            slots.append(pages[j // P] * P + j % P)
+            q_pos.append(j if j < sink_end else j - gap)
+        if new_parents is not None:
+            parents = trees.get(s, []) + new_parents[b]
+            depth: list = []
+            for p in parents:
+                depth.append(0 if p < 0 else depth[p] + 1)
+            enter, exit_ = _dfs(parents)
+            old, committed = len(trees.get(s, [])), info.length - info.num_tree_nodes
+            q_tree += list(zip(enter[old:], exit_[old:]))
+            q_pos[len(q_pos) - k :] = [committed + d for d in depth[old:]]
+            kv_tree += [(e, x, committed + d) for e, x, d in zip(enter, exit_, depth)]
+            kv_tree_indptr.append(len(kv_tree))
+            kv_tree_start.append(info.kv_len - old)
+    if new_parents is None:
+        q_tree, kv_tree, kv_tree_indptr, kv_tree_start = [(0, 0)] * n, [(0, 0, 0)], [0] * (B + 1), [0] * B
+    arrays = dict(
+        q_indptr=q_indptr,
+        q_pos=q_pos,
+        slots=slots,
+        last_page_len=last_page_len,
+        page_indptr=page_indptr,
+        kv_window=kv_window,
+        q_tree=q_tree or [(0, 0)],
+        kv_tree_indptr=kv_tree_indptr,
+        kv_tree=kv_tree or [(0, 0, 0)],
+        kv_tree_start=kv_tree_start,
+        page_indices=page_indices,
+    )
+    return {name: np.asarray(a, np.int64) for name, a in arrays.items()}
+
+
+def _kernel(batch_lengths: list, tree: bool, before: dict, batch: list) -> str:
+    if tree:
+        return "paged_prefill_tree"
+    if sum(batch_lengths) == len(batch_lengths):
+        return "paged_decode"
+    return "paged_prefill_causal" if any(before[s].kv_len for s in batch) else "ragged_prefill_causal"
+
+
+class Driver:
+    """Draws valid operations and checks every forward (see the module docstring)."""
+
+    def __init__(self, seed: int, num_pages: int, sequences: int):
+        """``sequences`` > 0: that many sequences first, and batches of up to ``sequences + 8``, most
+        above :data:`FEW` (the NumPy decode path); else batches of up to 8 (the Python-int path)."""
+        self.rng = np.random.default_rng(seed)
+        self.max_batch = sequences + 8 if sequences else 8
+        self.least = FEW + 1 if sequences else 1
+        self.cache = _make_cache(num_pages, self.max_batch)
+        self.trees: dict = {}  # seq id -> uncommitted tree parents (this test's record)
+        for s in range(sequences):
+            self.cache.add_sequence(s)
+        self.next_id = sequences
+        self.last_decode: tuple | None = None
+        self.forwards = self.repeats = self.out_of_pages = self.cows = self.large = 0
+
+    def ids(self) -> list:
+        return self.cache.sequence_ids()
+
+    def step(self) -> None:
+        rng, c, ids = self.rng, self.cache, self.ids()
+        op = rng.choice(["add", "remove", "fork", "pop", "window", "decode", "repeat", "prefill", "tree", "commit"])
+        if op == "add" or not ids:
+            c.add_sequence(self.next_id)
+            self.next_id += 1
+        elif op == "remove" and len(ids) > max(2, self.least):
+            s = int(rng.choice(ids))
+            c.remove_sequence(s)
+            self.trees.pop(s, None)
+        elif op == "fork":
+            s = int(rng.choice(ids))
+            info = c.sequence_info(s)
+            if info.slid:
+                return
+            committed = info.length - info.num_tree_nodes
+            pos = int(rng.choice([-1, committed // P * P, int(rng.integers(0, committed + 1))]))
+            try:
+                c.fork_sequence(s, self.next_id, pos)
+            except OutOfPagesError:
+                return
+            child, self.next_id = self.next_id, self.next_id + 1
+            if rng.random() < 0.5 and c.sequence_length(child) % P == 0 and c.sequence_length(child):
+                c.pop_n(child, 1)  # its last page is shared and partial now: copy-on-write at its next token
+        elif op == "pop":
+            s = int(rng.choice(ids))
+            info = c.sequence_info(s)
+            if info.num_tree_nodes == 0 and info.poppable:
+                c.pop_n(s, int(rng.integers(0, min(info.poppable, 2 * P) + 1)))
+        elif op == "window":
+            s = int(rng.choice(ids))
+            info = c.sequence_info(s)
+            if info.num_tree_nodes == 0 and not info.slid and rng.random() < 0.5:
+                window = int(rng.integers(2, 4 * P))
+                c.enable_sliding_window_for_seq(s, window, int(rng.integers(0, window + 1)))
+        elif op == "commit":
+            pending = [s for s in ids if self.trees.get(s)]
+            if pending:
+                leaves = [int(rng.integers(-1, len(self.trees[s]))) for s in pending]
+                c.commit_accepted_token_tree_nodes(pending, leaves)
+                for s in pending:
+                    del self.trees[s]
+        elif op == "repeat":  # a decode batch again (the first time perhaps planned anew), then repeated
+            usable = self.last_decode is not None and set(self.last_decode[0]) <= set(ids)
+            if not usable or any(self.trees.get(s) for s in self.last_decode[0]):
+                self.last_decode = None
+                self.draw_forward("repeat", ids)
+            for _ in range(int(rng.integers(1, 4))):
+                if self.last_decode is not None:
+                    self.forward(*self.last_decode)
+        else:
+            self.draw_forward(op, ids)
+
+    def draw_forward(self, op: str, ids: list) -> None:
+        rng = self.rng
+        if op == "tree":
+            pool = [s for s in ids if not self.cache.sequence_info(s).window]
+        elif op == "repeat":  # a batch the fast path can repeat: no trees, no windows
+            pool = [s for s in ids if not self.trees.get(s) and not self.cache.sequence_info(s).window]
+            op = "decode"
+        else:
+            pool = [s for s in ids if not self.trees.get(s)]
+        if not pool:
+            return
+        most = min(len(pool), self.max_batch)
+        size = int(rng.integers(min(self.least, most), most + 1)) if op == "decode" else int(rng.integers(1, 9))
+        batch = [int(s) for s in rng.permutation(pool)[: min(size, most)]]
+        if op == "decode":
+            self.forward(batch, [1] * len(batch), None)
+            return
+        lengths = [int(rng.integers(1, 9)) for _ in batch]
+        parents = None
+        if op == "tree":
+            parents = []
+            for s, k in zip(batch, lengths):
+                old = len(self.trees.get(s, []))
+                parents.append([int(rng.integers(-1, old + i)) for i in range(k)])
+        self.forward(batch, lengths, parents)
+
+    def forward(self, batch: list, lengths: list, parents) -> None:
+        c = self.cache
+        before = {s: c.sequence_info(s) for s in c.sequence_ids()}
+        free = c.num_available_pages()
+        shared_last = {s: bool(i.pages) and c.pool.ref_count(i.pages[-1]) > 1 for s, i in before.items()}
+        ptr = None if parents is None else [p for ps in parents for p in ps]
+        try:
+            c.begin_forward(batch, lengths, ptr)
+        except OutOfPagesError:
+            assert {s: c.sequence_info(s) for s in c.sequence_ids()} == before, "a refused forward changed nothing"
+            assert c.num_available_pages() == free
+            c.check_integrity()
+            self.out_of_pages += 1
+            return
+        info = c.debug_forward()
+        after = {s: c.sequence_info(s) for s in batch}
+        want = _expected(before, after, batch, lengths, self.trees, parents)
+        got = dict(info.arrays)
+        got["page_indices"] = got["page_indices"][: len(want["page_indices"])]
+        for name, expected in want.items():
+            np.testing.assert_array_equal(got[name].reshape(expected.shape), expected, err_msg=name)
+            assert got[name].shape == expected.shape or name == "page_indices", name
+        assert info.kernel == _kernel(lengths, parents is not None, before, batch)
+        for s, k in zip(batch, lengths):  # pages: kept, copy-on-write of a shared partial last page, new ones
+            old, new = before[s].pages, after[s].pages
+            assert len(new) == -(-(before[s].kv_len + k) // P)
+            cow = before[s].kv_len % P != 0 and shared_last[s]
+            kept = max(len(old) - 1, 0)
+            assert new[:kept] == old[:kept] and (not old or (new[kept] != old[-1]) == cow)
+            self.cows += cow
+        c.check_integrity()
+        c.end_forward()
+        if parents is not None:
+            for s, ps in zip(batch, parents):
+                self.trees[s] = self.trees.get(s, []) + ps
+        self.forwards += 1
+        self.large += len(batch) > FEW and sum(lengths) == len(batch) and not info.repeated
+        self.repeats += info.repeated
+        decode = parents is None and sum(lengths) == len(lengths)
+        self.last_decode = (batch, lengths, None) if decode else self.last_decode
+
+
+@pytest.mark.parametrize(
+    "seed,num_pages,sequences",
+    [(0, 400, 0), (1, 400, 0), (2, 40, 0), (3, 24, 0), (4, 1200, FEW), (5, 1200, FEW), (6, 150, FEW)],
+)
+def test_random_operations_plan_the_layout(seed, num_pages, sequences):
+    """Many pages (no shortage) and few (OutOfPagesError, forks that cannot copy); small batches and,
+    with ``sequences``, decode batches above FEW: the planner's two decode paths (Python ints, NumPy)
+    and its general path must all write the layout's arrays."""
+    d = Driver(seed, num_pages, sequences)
+    for _ in range(400):
+        d.step()
+    d.cache.check_integrity()
+    assert d.forwards > 50, d.forwards
+    assert d.repeats >= 3, d.repeats  # the repeat-decode fast path ran among the others
+    if num_pages > 200:
+        assert d.cows > 0, "copy-on-write was exercised"
+    else:
+        assert d.out_of_pages > 0
+    if sequences:  # decode steps above FEW planned anew (few of them once pages run short)
+        assert d.large > (20 if num_pages > 200 else 0), d.large
