@@ -138,6 +138,44 @@ def test_split_no_rotation(target, cfg, rng):
         _assert_bits_equal(got, want)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("rope_mode", ["normal", "none"])
+def test_split_rope_append(target, cfg, rope_mode, rng):
+    """split_rope_append (split + rotate + append in one launch) against the NumPy split/rotation and
+    append references: q rotated as split_rope's, k (rotated) and v at their slots, skipped tokens
+    (slot < 0) and every other slot untouched."""
+    H_qo, H_kv, D, P, dtype = cfg
+    num_pages = 6 if P > 1 else 48
+    n = 2 * P + 3 if P > 1 else 37
+    qkv = _rand(rng, (n, H_qo + 2 * H_kv, D), dtype)
+    pos = rng.integers(0, 4096, n).astype(np.int32)
+    slot = rng.permutation((num_pages - 1) * P)[:n].astype(np.int32)
+    slot[rng.random(n) < 0.2] = -1
+    slot[0] = -1
+    pages = _rand(rng, (num_pages, 2, H_kv, P, D), dtype)
+    scale, theta = 0.5, 5e5
+    q = to_dev(np.zeros((n, H_qo, D), NP_DTYPE[dtype]), target)
+    pages_d = to_dev(pages, target)
+    _kernels(target, cfg, rope_mode)["split_rope_append"](
+        to_dev(qkv, target), to_dev(pos, target), q, pages_d, to_dev(slot, target), scale, theta
+    )
+    rotate = rope_mode == "normal"
+    q_ref, k_ref, v_ref = ref.split_rope_ref(qkv, pos, H_qo, H_kv, rotate=rotate, rope_scale=scale, rope_theta=theta)
+    atol = (TOL[dtype] + 4 * 2.0**-23 * 4096 * scale) * np.abs(qkv.astype(np.float32)).max()
+    got = pages_d.numpy()
+    want = ref.append_ref(pages, k_ref.astype(pages.dtype), v_ref.astype(pages.dtype), slot)
+    if rotate:
+        np.testing.assert_allclose(q.numpy().astype(np.float64), q_ref, rtol=0, atol=atol)
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=0, atol=atol)
+    else:
+        _assert_bits_equal(q.numpy(), q_ref)
+        _assert_bits_equal(got, want)
+    live = slot[slot >= 0]
+    _assert_bits_equal(got[live // P, 1, :, live % P], v_ref[slot >= 0])  # v is copied, never rotated
+    untouched = np.setdiff1d(np.arange(num_pages * P), live)
+    _assert_bits_equal(got[untouched // P, :, :, untouched % P], pages[untouched // P, :, :, untouched % P])
+
+
 def _run_rope_q(target, cfg, q, q_pos, rope_mode, scale, theta):
     q_out = to_dev(np.zeros_like(q), target)
     _kernels(target, cfg, rope_mode)["rope_q"](to_dev(q, target), to_dev(q_pos, target), q_out, scale, theta)

@@ -33,13 +33,14 @@ class Forward:
     slides: list  # Sequence records whose window slides at end_forward
     dev: dict  # name -> device tensor (a view of one slot of the packed index buffer)
     scratch: dict  # q, k, v, lse device buffers (views of buffers allocated once)
-    split: tuple = ()  # split_rope's arguments after qkv
-    append: tuple = ()  # append's arguments after pages
+    split: tuple = ()  # split_rope's arguments after qkv (split_rope_append's before pages when fused)
+    append: tuple = ()  # append's arguments after pages (split_rope_append's when fused)
+    fused: bool = False  # kernels[0] is split_rope_append (split + rotate + append, one launch)
     attn_head: tuple = ()  # attention arguments before pages (all before o when not paged)
     attn_tail: tuple = ()  # attention arguments after pages, before o
     attn_end: tuple = ()  # lse (after o, before sm_scale); rope (after sm_scale)
     paged: bool = True
-    kernels: tuple = ()  # (split_rope, append, attention) functions of the library
+    kernels: tuple = ()  # (split_rope or split_rope_append, append, attention) functions of the library
     decode_split: DecodeSplit = NO_SPLIT  # paged_decode only: how the step cuts its sequences
     merge: Any = None  # merge_splits when decode_split splits, else None
     parts: tuple = ()  # (o_part, lse_part) views the split decode writes and merge_splits reads
@@ -216,6 +217,11 @@ class Launcher:
             o_shape=(total, cfg.num_qo_heads, cfg.head_dim),
             slot=slot,
         )
+        if kernel != "ragged_prefill_causal" and "split_rope_append" in lib:  # attention reads K/V from the pages
+            fwd.fused = True
+            fwd.split = (d["q_pos"], s["q"])
+            fwd.append = (d["slots"], *rope)
+            fwd.kernels = (lib["split_rope_append"], *fwd.kernels[1:])
         if cfg.has_local_layers and kernel != "paged_prefill_tree":
             fwd.local = lib[kernel + "_local"]
         paged_tail = _paged_tail(d)
@@ -240,8 +246,11 @@ def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> 
     """Launch one layer's kernels with the arguments :meth:`Launcher.bind` prepared (O(1) Python).
     ``window`` > 0: the layer attends within a sliding window of its own (``fwd.local``)."""
     split_rope, append, attention = fwd.kernels
-    split_rope(qkv, *fwd.split)
-    append(pages, *fwd.append)
+    if fwd.fused:  # split + rotate + append in one kernel
+        split_rope(qkv, *fwd.split, pages, *fwd.append)
+    else:
+        split_rope(qkv, *fwd.split)
+        append(pages, *fwd.append)
     lse, rope_scale, rope_theta = fwd.attn_end
     if window:  # a local layer: the window's kernel variant, never split
         if fwd.paged:

@@ -78,6 +78,8 @@ def kernel_set(
         "gather_pages": page_ops.make_gather_pages(spec),
         "scatter_pages": page_ops.make_scatter_pages(spec),
     }
+    if rope_scaling is None:  # split + rotate + append in one launch (forwards whose attention reads the pages)
+        kernels["split_rope_append"] = rope.make_split_rope(spec, rotate=rope_mode == "normal", into_pages=True)
     if kernels["paged_decode_split"] is None:  # cuda shapes without the fast decode layout: no split
         del kernels["paged_decode_split"]
     if local:

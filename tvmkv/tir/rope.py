@@ -285,7 +285,39 @@ def split_rope_func(spec: KernelSpec, body):
     return split_rope
 
 
-def make_split_rope(spec: KernelSpec, *, rotate: bool, rope_scaling: RopeScaling | None = None):
+def split_rope_append_func(spec: KernelSpec, body):
+    """The ``split_rope_append`` PrimFunc of ``spec`` around ``body`` (the parameters of
+    :func:`make_split_rope` with ``into_pages``, read by name; size ``n``)."""
+    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H = spec.qkv_heads
+    attrs = func_attrs(spec)
+
+    @T.prim_func
+    def split_rope_append(
+        var_qkv: T.handle,
+        var_pos: T.handle,
+        var_q: T.handle,
+        var_pages: T.handle,
+        var_slot: T.handle,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr(attrs)
+        n = T.int32()
+        num_pages = T.int32()
+        qkv = T.match_buffer(var_qkv, (n, H, D), dtype)
+        pos = T.match_buffer(var_pos, (n,), "int32")
+        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        slot = T.match_buffer(var_slot, (n,), "int32")
+        body()
+
+    return split_rope_append
+
+
+def make_split_rope(
+    spec: KernelSpec, *, rotate: bool, rope_scaling: RopeScaling | None = None, into_pages: bool = False
+):
     """``split_rope(qkv, pos, q, k, v, rope_scale, rope_theta)``: split fused qkv, rotating q and k.
 
     Parameters
@@ -303,14 +335,39 @@ def make_split_rope(spec: KernelSpec, *, rotate: bool, rope_scaling: RopeScaling
 
     With ``rotate`` False (rope modes "none" and "inline") the kernel only splits. ``rope_scaling``
     (resolved, see the module docstring): rotate with that variant instead of the default RoPE.
+
+    ``into_pages`` gives ``split_rope_append(qkv, pos, q, pages, slot, rope_scale, rope_theta)``, split,
+    rotate and :func:`tvmkv.tir.append.make_append` in one kernel: q as above, and token ``i``'s
+    (rotated) k and its v written straight into ``pages`` ``[num_pages, 2, H_kv, P, D]`` at ``slot[i]``
+    (skipped where ``slot[i] < 0``), for the forwards whose attention reads K/V from the pages (one
+    launch less per layer). Default RoPE only.
     """
+    if into_pages and rope_scaling is not None:
+        raise ValueError("into_pages with a rope_scaling variant: use split_rope + append for RoPE variants")
     if rotate and rope_scaling is not None:
         return _split_rope_variant(spec, rope_scaling)
+    P = spec.page_size
     H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     H = spec.qkv_heads
     D2 = D // 2
     HY = heads_per_block(H, D2)
     HB = (H + HY - 1) // HY
+
+    @macro
+    def put_k(i, hk, d, value):
+        if into_pages:
+            if slot[i] >= 0:
+                pages[slot[i] // P, 0, hk, slot[i] % P, d] = value
+        else:
+            k[i, hk, d] = value
+
+    @macro
+    def put_v(i, hk, d, value):
+        if into_pages:
+            if slot[i] >= 0:
+                pages[slot[i] // P, 1, hk, slot[i] % P, d] = value
+        else:
+            v[i, hk, d] = value
 
     @macro
     def cpu_body():
@@ -338,13 +395,13 @@ def make_split_rope(spec: KernelSpec, *, rotate: bool, rope_scaling: RopeScaling
                                 rope_theta,
                             )
                         )
-                        k[i, h, d] = T.cast(y[0], dtype)
-                        k[i, h, d + D2] = T.cast(y[1], dtype)
+                        put_k(i, h, d, T.cast(y[0], dtype))
+                        put_k(i, h, d + D2, T.cast(y[1], dtype))
                     else:
-                        k[i, h, d] = qkv[i, H_qo + h, d]
-                        k[i, h, d + D2] = qkv[i, H_qo + h, d + D2]
+                        put_k(i, h, d, qkv[i, H_qo + h, d])
+                        put_k(i, h, d + D2, qkv[i, H_qo + h, d + D2])
                 for d in T.vectorized(D):
-                    v[i, h, d] = qkv[i, H_qo + H_kv + h, d]
+                    put_v(i, h, d, qkv[i, H_qo + H_kv + h, d])
 
     @macro
     def gpu_body():
@@ -385,16 +442,17 @@ def make_split_rope(spec: KernelSpec, *, rotate: bool, rope_scaling: RopeScaling
                                             rope_theta,
                                         )
                                     )
-                                    k[i, h - H_qo, d] = T.cast(y[0], dtype)
-                                    k[i, h - H_qo, d + D2] = T.cast(y[1], dtype)
+                                    put_k(i, h - H_qo, d, T.cast(y[0], dtype))
+                                    put_k(i, h - H_qo, d + D2, T.cast(y[1], dtype))
                                 else:
-                                    k[i, h - H_qo, d] = qkv[i, h, d]
-                                    k[i, h - H_qo, d + D2] = qkv[i, h, d + D2]
+                                    put_k(i, h - H_qo, d, qkv[i, h, d])
+                                    put_k(i, h - H_qo, d + D2, qkv[i, h, d + D2])
                             else:
-                                v[i, h - H_qo - H_kv, d] = qkv[i, h, d]
-                                v[i, h - H_qo - H_kv, d + D2] = qkv[i, h, d + D2]
+                                put_v(i, h - H_qo - H_kv, d, qkv[i, h, d])
+                                put_v(i, h - H_qo - H_kv, d + D2, qkv[i, h, d + D2])
 
-    return split_rope_func(spec, cpu_body if spec.is_cpu else gpu_body)
+    wrap = split_rope_append_func if into_pages else split_rope_func
+    return wrap(spec, cpu_body if spec.is_cpu else gpu_body)
 
 
 def rope_q_func(spec: KernelSpec, body):
