@@ -230,6 +230,22 @@ def test_torch_and_tvm_arrays_and_out(target):
     got_tvm = cache.attention_with_fused_qkv(1, tvm.runtime.tensor(qkv, cache.device))
     assert isinstance(got_tvm, tvm.runtime.Tensor)
     np.testing.assert_allclose(got_tvm.numpy(), want, atol=1e-6)
+    # the next torch calls take the fast path (torch tensors of a class already checked): same output,
+    # and a tensor of the wrong dtype, shape or layout is still refused with the general path's errors
+    aligned = torch.from_numpy(qkv).to(dev)
+    out2 = torch.full_like(out, 7.0)
+    assert cache.attention_with_fused_qkv(0, aligned, out=out2) is out2
+    np.testing.assert_allclose(out2.cpu().numpy(), want, atol=1e-6)
+    for bad, word in (
+        (aligned.double(), "dtype"),
+        (aligned[:4], "shape"),
+        (aligned.transpose(0, 1).contiguous().transpose(0, 1), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            cache.attention_with_fused_qkv(0, bad, out=out2)
+    with pytest.raises(ValueError, match="shape"):
+        cache.attention_with_fused_qkv(0, aligned, out=out2[:4])
+    np.testing.assert_allclose(out2.cpu().numpy(), want, atol=1e-6)  # refused calls wrote nothing
 
 
 def test_sliding_window_misuse(target):

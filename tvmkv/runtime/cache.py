@@ -256,6 +256,7 @@ class PagedAttentionKVCache:
         self._index = IndexBuffers(device, arrays + -(-cfg.max_total_seq_len // cfg.page_size) + B)
         self._planner = Planner(self._index, cfg.page_size)
         self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, device.dlpack_device_type()
+        self._torch_fast: tuple | None = None  # (torch.Tensor, the cache's torch dtype, device type), on first use
         # MLA: the scale of the non-absorbed q.k (qk_nope + rope dims), known once mla_self_dims are
         self._default_sm_scale = cfg.mla_self_dims[0] ** -0.5 if cfg.mla_self_dims else cfg.head_dim**-0.5
         self._windows = cfg.layer_windows or (0,) * cfg.num_layers
@@ -599,6 +600,11 @@ class PagedAttentionKVCache:
             run_layer(fwd, self.pages[layer], qkv, o, sm_scale, window)
             self._ran[layer] = self._step
             return o
+        if out is not None and self._torch_ok(qkv, fwd.qkv_shape) and self._torch_ok(out, fwd.o_shape):
+            o_dev = self._output_buffer(out, "torch", fwd.total)  # a model's torch tensors, checked as above
+            run_layer(fwd, self.pages[layer], tensors.to_device(qkv, "torch", self.device), o_dev, sm_scale, window)
+            self._ran[layer] = self._step
+            return self._deliver(o_dev, out, "torch")
         kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
         if out is not None:
             self._check_out(out, kind, "qkv", fwd.o_shape)
@@ -606,6 +612,8 @@ class PagedAttentionKVCache:
         o_dev = self._output_buffer(out, kind, fwd.total)
         run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale, window)
         self._ran[layer] = self._step
+        if kind == "torch" and self._torch_fast is None:
+            self._torch_fast = (type(qkv), getattr(tensors.torch_module(), self.config.dtype), qkv.device.type)
         return self._deliver(o_dev, out, kind)
 
     def attention_with_shared_kv(self, layer_id, q, k, v, out=None, sm_scale=None, *, rotate_q=False):
@@ -1235,6 +1243,20 @@ class PagedAttentionKVCache:
             and x.shape == shape
             and x.device.dlpack_device_type() == self._dl_device_type
             and x.dtype == self.config.dtype
+        )
+
+    def _torch_ok(self, x, shape: tuple) -> bool:
+        """True when ``x`` is a contiguous torch tensor of ``shape``, the cache's dtype and device kind, of
+        the class an earlier call already checked through :meth:`_check_array` (a fast path for
+        models that pass torch tensors every layer)."""
+        fast = self._torch_fast
+        return (
+            fast is not None
+            and type(x) is fast[0]
+            and x.dtype is fast[1]
+            and x.shape == shape
+            and x.device.type == fast[2]
+            and x.is_contiguous()
         )
 
     def _check_array(self, x, name: str, shape: tuple, dtype: str | None = None) -> str:

@@ -32,6 +32,13 @@ def array_kind(x) -> str:
     )
 
 
+def torch_module():
+    """``torch`` (imported only once a caller has passed a torch tensor)."""
+    import torch
+
+    return torch
+
+
 def describe(x, kind: str):
     """(shape, dtype name, device type "cpu"/"cuda") of an accepted array."""
     if kind == "numpy":
