@@ -61,6 +61,7 @@ _KV_LEN = attrgetter("kv_len")
 _PAGES = attrgetter("pages")
 _LAST_PAGE = attrgetter("last_page")
 _WINDOW = attrgetter("window")
+_INT = {int}
 _NONE = np.zeros(0, np.int64)
 _FEW = 64  # decode batches up to this size are planned over Python ints (Planner._decode_few)
 _MAX_SHAPES = 256  # shapes the planner keeps before it starts over (a prefill's totals vary)
@@ -594,7 +595,13 @@ class RepeatDecode:
         pool, table, ib = self.pool, self.table, self.ib
         if pool.version != self.pool_version or table.version != self.table_version or self.host is not ib.host:
             return False
-        if list(seq_ids) != self.seq_ids or list(append_lengths) != self.ones:
+        ids, lens = list(seq_ids), list(append_lengths)
+        if ids != self.seq_ids or lens != self.ones:
+            return False
+        # == also lets 1.0 and True through: only ints (and NumPy integers) repeat the step; anything
+        # else takes the general path, whose validation refuses it
+        kinds = set(map(type, ids)).union(map(type, lens))
+        if kinds != _INT and not all(k is int or issubclass(k, np.integer) for k in kinds):
             return False
         if not self.is_ready:
             self.ready()
