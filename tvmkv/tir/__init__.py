@@ -15,7 +15,8 @@ Modules:
   ``decode_cuda`` (the fast CUDA schedules), ``prefill`` / ``ragged`` / ``decode`` (the factories,
   which pick the schedule; ``decode`` also holds the llvm split decode), ``decode_layout`` (the
   CUDA decode's static layout and :func:`split_granule`; no TVM import).
-* data movement: ``append``, ``rope`` (``split_rope``, ``rope_q``; their RoPE variants are described
+* data movement: ``append``, ``rope`` (``split_rope``, ``rope_q``, ``split_rope_append`` = split_rope +
+  append in one kernel; their RoPE variants are described
   by ``rope_scaling``'s :class:`RopeScaling`, plain Python), ``merge`` (``merge_state``,
   ``merge_splits``), ``page_ops`` (``copy_page``, ``compact_copy``, ``gather``, ``gather_pages``,
   ``scatter_pages``).
