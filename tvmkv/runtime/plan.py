@@ -256,16 +256,20 @@ class Planner:
         shape.rows[...] = np.array((hist, slots, [o + 1 for o in off], starts[:-1]), np.int32)
         v["page_indptr"][B] = nnz
         ib.write_concatenated(layout.page_indices_at, nnz, map(_PAGES, seqs))
+        return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, max(hist) + 1, npages)
+
+    def _decode_plan(self, seq_ids, seqs, table: SequenceTable, v: dict, shape: StepShape, slot, nnz, max_keys, npages):
+        """The end of both decode paths: windows into ``v``, every sequence one token longer, the plan."""
         slides = self._decode_windows(seqs, v) if table.num_windowed and any(map(_WINDOW, seqs)) else []
         for seq in seqs:
             seq.kv_len += 1
-        return StepPlan(seq_ids, [1] * B, B, "paged_decode", slides, layout, slot, nnz, max(hist) + 1, shape, npages)
+        B = len(seqs)
+        return StepPlan(seq_ids, [1] * B, B, "paged_decode", slides, shape.layout, slot, nnz, max_keys, shape, npages)
 
     def _decode_views(self, shape: StepShape) -> dict:
         """The host views of a decode ``shape`` with everything but its per-sequence arrays written:
         q_indptr = 0..B, kv_window and the tree arrays 0 (one copy of its template)."""
-        if shape.host is not self.ib.host:
-            shape.bind(self.ib.host)
+        self.bound(shape)
         layout = shape.layout
         if shape.template is None:
             shape.template = np.zeros(layout.page_indices_at, np.int32)
@@ -323,22 +327,7 @@ class Planner:
         slots += off
         q_pos = v["q_pos"]
         q_pos[:] = hist
-        slides = self._decode_windows(seqs, v) if table.num_windowed and any(map(_WINDOW, seqs)) else []
-        for seq in seqs:
-            seq.kv_len += 1
-        return StepPlan(
-            seq_ids=seq_ids,
-            lengths=[1] * B,
-            total=B,
-            kernel="paged_decode",
-            slides=slides,
-            layout=layout,
-            slot=slot,
-            nnz=nnz,
-            max_keys=int(np.maximum.reduce(hist)) + 1,
-            shape=shape,
-            npages=npages,
-        )
+        return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, int(np.maximum.reduce(hist)) + 1, npages)
 
 
 def _decode_pages(seqs: list, opens: list, cow: list, pool: PagePool, table: SequenceTable, copy_page, P: int):
