@@ -354,18 +354,14 @@ def make_split_rope(
     HB = (H + HY - 1) // HY
 
     @macro
-    def put_k(i, hk, d, value):
+    def put_kv(kv, i, hk, d, value):
+        # element d of kv head hk of token i (kv: 0 = k, 1 = v, a Python int): into the scratch k / v,
+        # or (into_pages) at the token's slot, skipped where the slot is negative
         if into_pages:
             if slot[i] >= 0:
-                pages[slot[i] // P, 0, hk, slot[i] % P, d] = value
-        else:
+                pages[slot[i] // P, kv, hk, slot[i] % P, d] = value
+        elif kv == 0:
             k[i, hk, d] = value
-
-    @macro
-    def put_v(i, hk, d, value):
-        if into_pages:
-            if slot[i] >= 0:
-                pages[slot[i] // P, 1, hk, slot[i] % P, d] = value
         else:
             v[i, hk, d] = value
 
@@ -395,13 +391,13 @@ def make_split_rope(
                                 rope_theta,
                             )
                         )
-                        put_k(i, h, d, T.cast(y[0], dtype))
-                        put_k(i, h, d + D2, T.cast(y[1], dtype))
+                        put_kv(0, i, h, d, T.cast(y[0], dtype))
+                        put_kv(0, i, h, d + D2, T.cast(y[1], dtype))
                     else:
-                        put_k(i, h, d, qkv[i, H_qo + h, d])
-                        put_k(i, h, d + D2, qkv[i, H_qo + h, d + D2])
+                        put_kv(0, i, h, d, qkv[i, H_qo + h, d])
+                        put_kv(0, i, h, d + D2, qkv[i, H_qo + h, d + D2])
                 for d in T.vectorized(D):
-                    put_v(i, h, d, qkv[i, H_qo + H_kv + h, d])
+                    put_kv(1, i, h, d, qkv[i, H_qo + H_kv + h, d])
 
     @macro
     def gpu_body():
@@ -442,14 +438,14 @@ def make_split_rope(
                                             rope_theta,
                                         )
                                     )
-                                    put_k(i, h - H_qo, d, T.cast(y[0], dtype))
-                                    put_k(i, h - H_qo, d + D2, T.cast(y[1], dtype))
+                                    put_kv(0, i, h - H_qo, d, T.cast(y[0], dtype))
+                                    put_kv(0, i, h - H_qo, d + D2, T.cast(y[1], dtype))
                                 else:
-                                    put_k(i, h - H_qo, d, qkv[i, h, d])
-                                    put_k(i, h - H_qo, d + D2, qkv[i, h, d + D2])
+                                    put_kv(0, i, h - H_qo, d, qkv[i, h, d])
+                                    put_kv(0, i, h - H_qo, d + D2, qkv[i, h, d + D2])
                             else:
-                                put_v(i, h - H_qo - H_kv, d, qkv[i, h, d])
-                                put_v(i, h - H_qo - H_kv, d + D2, qkv[i, h, d + D2])
+                                put_kv(1, i, h - H_qo - H_kv, d, qkv[i, h, d])
+                                put_kv(1, i, h - H_qo - H_kv, d + D2, qkv[i, h, d + D2])
 
     wrap = split_rope_append_func if into_pages else split_rope_func
     return wrap(spec, cpu_body if spec.is_cpu else gpu_body)
