@@ -601,13 +601,11 @@ class PagedAttentionKVCache:
             self._ran[layer] = self._step
             return o
         if out is not None and self._torch_ok(qkv, fwd.qkv_shape) and self._torch_ok(out, fwd.o_shape):
-            o_dev = self._output_buffer(out, "torch", fwd.total)  # a model's torch tensors, checked as above
-            run_layer(fwd, self.pages[layer], tensors.to_device(qkv, "torch", self.device), o_dev, sm_scale, window)
-            self._ran[layer] = self._step
-            return self._deliver(o_dev, out, "torch")
-        kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
-        if out is not None:
-            self._check_out(out, kind, "qkv", fwd.o_shape)
+            kind = "torch"  # a model's torch tensors, of a kind an earlier call checked in full
+        else:
+            kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
+            if out is not None:
+                self._check_out(out, kind, "qkv", fwd.o_shape)
         qkv_dev = tensors.to_device(qkv, kind, self.device)
         o_dev = self._output_buffer(out, kind, fwd.total)
         run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale, window)
