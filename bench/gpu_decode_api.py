@@ -7,6 +7,13 @@ per call with its host work (no spin), for torch CUDA tensors and for tvm tensor
 contiguous K/V (attention alone, ``enable_gqa``). The launches per call are named: ``split_rope_append``
 (split + append fused) where the kernel library has it, else ``split_rope`` + ``append``.
 
+``--step-layers N`` (default 32) adds whole decode steps of an N-layer cache: ``begin_forward``, N
+``attention_with_fused_qkv`` calls, ``end_forward`` and a synchronize (what a server's step costs once
+it reads the logits), eager and through :class:`tvmkv.runtime.graphs.StepGraphs` (one CUDA graph per
+``graph_key``, ``stable_decode_splits=True``), beside torch SDPA over N layers of contiguous K/V, eager
+and in a CUDA graph (attention alone). Per row: µs per step (wall, median), and device µs of the
+step's attention work (queued behind a spin; the graph replayed).
+
 Run on the GPU machine with the library to measure in ``$TVMKV_BUILD_DIR`` (build it here with
 ``python -m tvmkv build --target cuda --arch sm_90 --num-qo-heads 32 --num-kv-heads 8 --head-dim 128
 --page-size 16 --dtype float16 --build-dir DIR``)::
@@ -26,6 +33,7 @@ from _attention_cases import DTYPE, H_KV, H_QO, D, P
 from _common import CudaTimer
 
 CASES = [(1, 1024), (32, 1024), (64, 4096), (128, 4096)]
+STEP_CASES = [(1, 1024), (8, 1024), (32, 1024), (64, 2048)]
 
 
 def decode_cache(B: int, L: int):
@@ -62,10 +70,123 @@ def sdpa(B: int, L: int):
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
+def step_bench(B: int, L: int, layers: int, steps: int, timer) -> dict:
+    """A whole decode step of a ``layers``-layer cache, eager and replayed from CUDA graphs, and the
+    same step's attention in torch SDPA (each part frees its GPU memory before the next)."""
+    import torch
+
+    row = {"case": f"{layers} layers, decode {B}x{L}", **_tvmkv_step(B, L, layers, steps, timer)}
+    torch.cuda.empty_cache()
+    row.update(_sdpa_step(B, L + steps, layers, steps, timer))
+    torch.cuda.empty_cache()
+    return row
+
+
+def _wall(run, steps: int) -> float:
+    """Median wall µs of ``run()`` followed by a synchronize."""
+    import time
+
+    import numpy as np
+    import torch
+
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
+def _tvmkv_step(B: int, L: int, layers: int, steps: int, timer) -> dict:
+    import torch
+
+    from tvmkv import PagedAttentionKVCache
+    from tvmkv.runtime.graphs import StepGraphs
+
+    grow = 3 * steps + 64  # tokens each sequence gains over the timed steps
+    cache = PagedAttentionKVCache(
+        layers,
+        H_QO,
+        H_KV,
+        D,
+        page_size=P,
+        max_batch_size=B,
+        max_total_seq_len=B * (L + grow + 2 * P),
+        prefill_chunk_size=max(B, L, 16),
+        dtype=DTYPE,
+        target="cuda",
+        stable_decode_splits=True,
+    )
+    for s in range(B):
+        cache.add_sequence(s)
+        cache.begin_forward([s], [L])
+        cache.end_forward()
+    ids, ones = list(range(B)), [1] * B
+    qkv = torch.rand(layers, B, H_QO + 2 * H_KV, D, device="cuda", dtype=torch.float16)
+    out = torch.empty(layers, B, H_QO, D, device="cuda", dtype=torch.float16)
+
+    def attention():
+        for layer in range(layers):
+            cache.attention_with_fused_qkv(layer, qkv[layer], out=out[layer])
+
+    graphs = StepGraphs(cache, attention)
+
+    def step(run):
+        def one():
+            cache.begin_forward(ids, ones)
+            run()
+            cache.end_forward()
+
+        return one
+
+    _wall(step(attention), steps)  # warm-up
+    _wall(step(graphs), 4)  # captures for both index-buffer slots
+    captures = graphs.captures
+    row = {"eager_step_us": _wall(step(attention), steps), "graph_step_us": _wall(step(graphs), steps)}
+    row["recaptures"] = graphs.captures - captures  # new keys met during the timed graph steps
+    cache.begin_forward(ids, ones)  # device time: the same forward's work again (idempotent)
+    row["eager_device_us"] = timer.time(attention)
+    graphs()
+    row["graph_device_us"] = timer.time(graphs)
+    row["splits"] = cache.debug_forward().num_splits
+    cache.end_forward()
+    return row
+
+
+def _sdpa_step(B: int, n: int, layers: int, steps: int, timer) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.rand(B, H_QO, 1, D, device="cuda", dtype=torch.float16)
+    ks = [torch.rand(B, H_KV, n, D, device="cuda", dtype=torch.float16) for _ in range(layers)]
+    vs = [torch.rand_like(k) for k in ks]
+    o = torch.empty(B, H_QO, 1, D, device="cuda", dtype=torch.float16)
+
+    def sdpa():
+        for k, v in zip(ks, vs):
+            o.copy_(F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+    sdpa()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sdpa()
+
+    return {
+        "sdpa_eager_step_us": _wall(sdpa, steps),
+        "sdpa_graph_step_us": _wall(g.replay, steps),
+        "sdpa_device_us": timer.time(g.replay),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--step-layers", type=int, default=32, help="layers of the whole-step rows (0: none)")
+    ap.add_argument("--step-reps", type=int, default=100, help="timed steps per whole-step row")
+    ap.add_argument("--skip-calls", action="store_true", help="only the whole-step rows")
     args = ap.parse_args(argv)
     from tvmkv.payload import bootstrap
 
@@ -75,7 +196,7 @@ def main(argv=None) -> int:
 
     timer = CudaTimer(args.reps)
     rows = []
-    for B, L in CASES:
+    for B, L in [] if args.skip_calls else CASES:
         cache = decode_cache(B, L)
         launches = "split_rope_append" if "split_rope_append" in cache.kernels else "split_rope + append"
         qkv_t = torch.rand(B, H_QO + 2 * H_KV, D, device="cuda", dtype=torch.float16)
@@ -96,9 +217,14 @@ def main(argv=None) -> int:
         rows.append(row)
         cache = None
         torch.cuda.empty_cache()
+    steps = []
+    for B, L in STEP_CASES if args.step_layers > 0 else []:
+        steps.append(step_bench(B, L, args.step_layers, args.step_reps, timer))
+        print(json.dumps(steps[-1]), flush=True)
     card = torch.cuda.get_device_name(0)
+    launches = rows[0]["launches"] if rows else ""
     lines = [
-        f"{card}; launches: {rows[0]['launches']}; µs (device = kernels alone; call = with host work)",
+        f"{card}; launches: {launches}; µs (device = kernels alone; call = with host work)",
         "| case | splits | torch tensors: device / call | tvm tensors: device / call | SDPA device | device / SDPA |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -108,10 +234,23 @@ def main(argv=None) -> int:
             f"{r['tvm_device_us']:.1f} / {r['tvm_call_us']:.1f} | {r['sdpa_us']:.1f} | "
             f"{r['torch_device_us'] / r['sdpa_us']:.2f} |"
         )
+    if steps:
+        lines += [
+            "",
+            f"Whole decode steps ({args.step_layers} layers; µs per step, wall incl. synchronize / device):",
+            "| case | splits | tvmkv eager | tvmkv CUDA graph | graph re-captures | SDPA eager | SDPA CUDA graph |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in steps:
+            lines.append(
+                f"| {r['case']} | {r['splits']} | {r['eager_step_us']:.0f} / {r['eager_device_us']:.0f} | "
+                f"{r['graph_step_us']:.0f} / {r['graph_device_us']:.0f} | {r['recaptures']} | "
+                f"{r['sdpa_eager_step_us']:.0f} | {r['sdpa_graph_step_us']:.0f} / {r['sdpa_device_us']:.0f} |"
+            )
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_api.json").write_text(json.dumps({"card": card, "rows": rows}, indent=1))
+        (args.out / "decode_api.json").write_text(json.dumps({"card": card, "rows": rows, "steps": steps}, indent=1))
     return 0
 
 

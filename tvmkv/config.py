@@ -16,7 +16,8 @@ class CacheConfig:
 
     ``num_pages`` defaults to enough pages for ``max_total_seq_len`` tokens plus one partially
     filled page per sequence of a full batch. ``decode_splits`` (``None``: automatic) caps how many
-    ways a decode step cuts its sequences (docs/layout.md, "Split decode"). ``rope_scaling`` (None,
+    ways a decode step cuts its sequences (docs/layout.md, "Split decode"); ``stable_decode_splits`` plans
+    those cuts for CUDA-graph replay (docs/cuda_graphs.md). ``rope_scaling`` (None,
     TVM's / Hugging Face's dict, or a :class:`tvmkv.tir.RopeScaling`) and ``rotary_dim`` (None: the
     whole head) choose the RoPE variant of rope mode "normal" (docs/layout.md, "RoPE"); after
     construction ``rope_scaling`` is always a RopeScaling and ``rotary_dim`` an int.
@@ -39,6 +40,7 @@ class CacheConfig:
     cuda_arch: str | None = None
     num_pages: int | None = None
     decode_splits: int | None = None
+    stable_decode_splits: bool = False  # split plans for CUDA-graph replay (decode_split.plan_split, stable)
     layer_windows: tuple = ()  # per-layer sliding window (0: full attention); () = every layer full
     rope_scaling: RopeScaling | dict | None = None  # normalized to a resolved RopeScaling
     rotary_dim: int | None = None  # normalized to the rotated dims (head_dim when all rotate)
@@ -118,6 +120,8 @@ class CacheConfig:
             raise ValueError(
                 f"decode_splits={self.decode_splits!r} must be None (automatic), 1 (never split) or an int > 1"
             )
+        if not isinstance(self.stable_decode_splits, bool):
+            raise TypeError(f"stable_decode_splits={self.stable_decode_splits!r} must be True or False")
 
     @property
     def is_mla(self) -> bool:

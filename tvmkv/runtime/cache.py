@@ -26,7 +26,7 @@ from ..target import parse_target
 from . import tensors
 from .decode_split import NO_SPLIT
 from .index_buffer import RING, IndexBuffers
-from .launch import Forward, ForwardInfo, Launcher, device_views, run_layer, run_paged, run_ragged
+from .launch import Forward, ForwardInfo, Launcher, device_views, graph_key, run_layer, run_paged, run_ragged
 from .pages import PageHolder, PagePool
 from .plan import PackedLayout, Planner, RepeatDecode, history_tables
 from .sequences import SequenceInfo, SequenceTable, as_int, check_id
@@ -96,6 +96,9 @@ class PagedAttentionKVCache:
         thread blocks and are merged after (docs/layout.md, "Split decode"). ``None`` (default) splits
         on cuda only as far as it fills the device (batches too small to occupy every SM); ``1`` never
         splits; an int > 1 forces up to that many chunks on any target (chunks of at least one tile).
+    stable_decode_splits : bool
+        Plan those chunks for CUDA-graph replay (docs/cuda_graphs.md): chunk sizes at powers of two,
+        so a captured decode step stays valid until the longest sequence doubles. Default False.
     build_dir : path, optional
         Where compiled kernels are cached (default: see ``python -m tvmkv build --help``).
 
@@ -124,6 +127,7 @@ class PagedAttentionKVCache:
         num_pages=None,
         memory_fraction=None,
         decode_splits=None,
+        stable_decode_splits=False,
         layer_windows=None,
         build_dir=None,
         kv_lora_rank=0,
@@ -177,6 +181,7 @@ class PagedAttentionKVCache:
             cuda_arch=arch,
             num_pages=num_pages,
             decode_splits=decode_splits,
+            stable_decode_splits=stable_decode_splits,
             layer_windows=_windows(layer_windows, num_layers),
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
@@ -1165,6 +1170,17 @@ class PagedAttentionKVCache:
             raise ForwardStateError("debug_forward called outside begin_forward/end_forward")
         arrays = {name: t.numpy() for name, t in fwd.dev.items()}
         return ForwardInfo(fwd.kernel, fwd.decode_split.num_splits, self._repeated, fwd.slot, arrays)
+
+    def graph_key(self) -> tuple:
+        """A hashable key of the open forward for CUDA-graph capture (docs/cuda_graphs.md): a graph of
+        this forward's attention calls, captured in one forward, replays correctly in any later forward
+        with an equal key (same kernels and launch parameters, index arrays uploaded to the same device
+        memory), whatever its sequences, lengths and page tables. :class:`tvmkv.runtime.graphs.StepGraphs`
+        keeps one graph per key."""
+        fwd = self._fwd
+        if fwd is None:
+            raise ForwardStateError("graph_key called outside begin_forward/end_forward")
+        return graph_key(fwd)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless every part agrees: each page's ref count equals the page lists

@@ -42,6 +42,7 @@ def plan_split(
     num_sms: int,
     max_splits: int | None = None,
     blocks_per_sm: int = BLOCKS_PER_SM,
+    stable: bool = False,
 ) -> DecodeSplit:
     """The split of one decode step (pure arithmetic, called by ``begin_forward``).
 
@@ -63,12 +64,17 @@ def plan_split(
     blocks_per_sm : int
         Blocks of the split kernel one SM runs at once that are worth filling (``BLOCKS_PER_SM`` for
         MHA decode; :func:`tvmkv.tir.mla_layout.mla_blocks_per_sm` for MLA).
+    stable : bool
+        Plan for CUDA-graph replay (``CacheConfig.stable_decode_splits``): a captured graph keeps the
+        split's launch parameters, so the split should change rarely as sequences grow. The chunk is
+        ``tile_keys`` times a power of two and the count stays the power of two the batch allows
+        (trailing chunks may be empty): both change only when ``max_keys`` crosses a power of two.
 
     Returns
     -------
     DecodeSplit ``(num_splits, kv_chunk)`` with ``num_splits * kv_chunk >= max_keys``; ``kv_chunk`` is
-    a multiple of ``tile_keys``, and ``(num_splits - 1) * kv_chunk < max_keys`` (no empty chunk for
-    the longest sequence).
+    a multiple of ``tile_keys``, and, unless ``stable``, ``(num_splits - 1) * kv_chunk < max_keys`` (no
+    empty chunk for the longest sequence).
     """
     if max_splits is None:
         if num_sms <= 0:
@@ -83,6 +89,9 @@ def plan_split(
         splits = min(max_splits, -(-max_keys // tile_keys))
     if splits <= 1:
         return NO_SPLIT
+    if stable:
+        tiles = -(-max_keys // (splits * tile_keys))  # tiles per chunk, rounded up to a power of two
+        return DecodeSplit(splits, tile_keys << (tiles - 1).bit_length())
     chunk = -(-max_keys // splits)
     chunk = -(-chunk // tile_keys) * tile_keys
     splits = -(-max_keys // chunk)

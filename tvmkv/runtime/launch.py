@@ -49,6 +49,7 @@ class Forward:
     slot: int = 0  # device slot of the index buffer ring the views belong to
     local: Any = None  # the attention kernel's per-layer-window variant (same arguments + layer_window)
     shared: tuple = ()  # (kernel, local kernel, head, tail): paged attention over a given layer's pages
+    key: tuple = ()  # graph_key's value, computed on first use
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Launcher:
             num_sms=self.num_sms,
             max_splits=self.config.decode_splits,
             blocks_per_sm=self.blocks_per_sm,
+            stable=self.config.stable_decode_splits,
         )
 
     def scratch(self, total: int) -> dict:
@@ -240,6 +242,19 @@ class Launcher:
             fwd.attn_head = (s["q"], d["q_indptr"], d["q_pos"])
             fwd.attn_tail = paged_tail
         return fwd
+
+
+def graph_key(fwd: Forward) -> tuple:
+    """What a CUDA graph captured over ``fwd``'s launches depends on, besides each layer's pages, qkv,
+    output and scalars (docs/cuda_graphs.md): the kernels and their scalar launch parameters (the
+    token count, the decode split), and the device address and shape of every index array and
+    workspace buffer the launches read or write. Equal keys: a graph captured in one forward replays
+    correctly in the other, whose index arrays were uploaded to the same memory."""
+    if not fwd.key:
+        bufs = (*fwd.dev.values(), *fwd.scratch.values(), *fwd.parts)
+        where = tuple((b.data_ptr(), tuple(b.shape)) for b in bufs)
+        fwd.key = (fwd.kernel, fwd.total, fwd.fused, fwd.merge is not None, fwd.decode_split, where)
+    return fwd.key
 
 
 def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> None:
