@@ -402,10 +402,12 @@ def render(rows, meta) -> str:
         "How tvmkv plans these steps: a batch that repeats the previous decode step's is advanced in place "
         "(`plan.RepeatDecode`: one add over the packed `q_pos` / `slots` / `last_page_len`, a page for each "
         "sequence whose new token opens one, one upload). A changed decode batch takes `plan.Planner`'s "
-        "decode path: up to 64 sequences over Python ints, above that about fifteen whole-batch NumPy "
-        "calls; the layout, host views, device views and constant arrays of each batch size are kept, "
-        '`page_indices` is one `b"".join` of the sequences\' page arrays, copy-on-write is looked for only '
-        "while some page is shared, and Python runs per sequence only for those that get a page. Batch 1 "
+        "decode path: up to 64 sequences over Python ints written as one int32 run through a memoryview, "
+        "above that about a dozen whole-batch NumPy calls; the layout, host views, device views, constant "
+        "arrays and the bound forward (`launch.Forward`, rebound only to the new batch) of each batch size "
+        'and slot are kept, `page_indices` is one `b"".join` of the sequences\' page arrays, copy-on-write '
+        "is looked for only when some last page is in the pool's set of shared pages, and Python runs per "
+        "sequence only for those that get a page. Batch 1 "
         "with its order flipped is the same batch (the fast path). The fork rows' begin_forward includes "
         "the copy of the shared page (one `copy_page` launch per layer); TVM's cache copies in "
         "`fork_sequence`, which is not timed. Prefill, mixed and token-tree steps take the general path "

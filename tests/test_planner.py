@@ -284,3 +284,56 @@ def test_random_operations_plan_the_layout(seed, num_pages, sequences):
         assert d.out_of_pages > 0
     if sequences:  # decode steps above FEW planned anew (few of them once pages run short)
         assert d.large > (20 if num_pages > 200 else 0), d.large
+
+
+def test_page_pool_shared_set_follows_the_references():
+    """``PagePool.shared`` (the pages the decode planner tests last pages against for copy-on-write)
+    equals the pages this test holds more than one reference on, after every alloc / hold / release."""
+    from tvmkv.runtime.pages import PagePool
+
+    rng = np.random.default_rng(0)
+    pool, refs = PagePool(12), {}
+    for _ in range(400):
+        held = [p for p, n in refs.items() if n]
+        op = rng.integers(3)
+        if op == 0 and pool.num_free:
+            for p in pool.alloc(int(rng.integers(1, pool.num_free + 1))):
+                refs[p] = 1
+        elif op == 1 and held:
+            pages = [int(p) for p in rng.choice(held, int(rng.integers(1, 4)))]  # repeats add up
+            pool.hold(pages)
+            for p in pages:
+                refs[p] += 1
+        elif held:
+            p = int(rng.choice(held))
+            pool.release([p])
+            refs[p] -= 1
+        assert pool.shared == {p for p, n in refs.items() if n > 1}
+        assert pool.num_shared == len(pool.shared)
+        assert pool.num_free == sum(1 for p in range(12) if not refs.get(p))
+    assert not pool.check([[p] * n for p, n in refs.items()])
+
+
+@pytest.mark.parametrize("size", [3, FEW + 2])
+def test_changed_batches_of_one_size_rebind_their_sequences(size):
+    """Decode batches of one size but different members, orders and windows, each planned anew: the
+    planner keeps the forward bound over that shape and slot and rebinds only its batch; every array
+    must still be the layout's, and end_forward must slide the windows of this step's sequences (not
+    of the step the forward was first bound for)."""
+    d = Driver(7, 1200, size)  # sequences 0 .. size - 1, batches up to size + 8
+    c = d.cache
+    for s in range(2 * size + 1):
+        if s >= size:
+            c.add_sequence(s)
+        d.forward([s], [int(d.rng.integers(1, 3 * P))], None)
+    first, second = list(range(size)), list(range(size, 2 * size))
+    for s in (second[0], 2 * size):  # in batches that reuse one slot's forward in turn
+        c.enable_sliding_window_for_seq(s, 2 * P, 1)
+    for k in range(12):
+        batch = [first, second, first[::-1], [2 * size, *second[1:]]][k % 4]
+        before = {s: c.sequence_info(s) for s in batch}
+        d.forward(batch, [1] * size, None)
+        for s in batch:
+            info, was = c.sequence_info(s), before[s]
+            assert info.length == (min(was.length + 1, was.window) if was.window else was.length + 1), s
+    c.check_integrity()

@@ -34,8 +34,9 @@ class PagePool:
     """``num_pages`` pages: a free list (low ids handed out first) and a ref count per page.
 
     ``version`` changes with every allocation, hold or release, so a plan that depends on ref counts
-    (copy-on-write decisions) can tell whether it is still valid. ``num_shared`` counts the pages held
-    more than once (the step planner skips its copy-on-write search while there are none).
+    (copy-on-write decisions) can tell whether it is still valid. ``shared`` is the set of pages held
+    more than once: the step planner looks for copy-on-write only when some sequence's last page is
+    in it (one C-level set test per step).
     """
 
     def __init__(self, num_pages: int):
@@ -44,12 +45,17 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._holders: list = []
         self.version = 0
-        self.num_shared = 0  # pages whose ref count is > 1
+        self.shared: set = set()  # pages whose ref count is > 1 (read it; the pool alone writes it)
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_shared(self) -> int:
+        """Pages whose ref count is > 1."""
+        return len(self.shared)
 
     def ref_count(self, page: int) -> int:
         return int(self._ref[page])
@@ -74,9 +80,13 @@ class PagePool:
         """``count`` free pages, each with ref count 1. Callers check :meth:`ensure_free` first."""
         if count > len(self._free):
             raise OutOfPagesError(count, len(self._free))
+        self.version += 1
+        if count == 1:  # a decode step's usual request: no list comprehension, no fancy indexing
+            page = self._free.pop()
+            self._ref[page] = 1
+            return [page]
         pages = [self._free.pop() for _ in range(count)]
         self._ref[pages] = 1
-        self.version += 1
         return pages
 
     def hold(self, pages: Iterable[int]) -> None:
@@ -85,7 +95,7 @@ class PagePool:
         ref, once = self._ref, np.unique(pages)
         single = ref[once] <= 1
         np.add.at(ref, pages, 1)
-        self.num_shared += int(np.count_nonzero(single & (ref[once] > 1)))
+        self.shared.update(once[single & (ref[once] > 1)].tolist())
         self.version += 1
 
     def release(self, pages: Iterable[int]) -> None:
@@ -98,7 +108,7 @@ class PagePool:
             if left == 0:
                 free.append(p)
             elif left == 1:
-                self.num_shared -= 1
+                self.shared.discard(p)
 
     def ensure_free(self, needed: int) -> bool:
         """True when ``needed`` pages are free, after asking page holders to evict pages only they
@@ -118,7 +128,7 @@ class PagePool:
         """Every page free, every reference gone; holders forget theirs."""
         self._ref[:] = 0
         self._free = list(range(self.num_pages - 1, -1, -1))
-        self.num_shared = 0
+        self.shared = set()
         self.version += 1
         for holder in self._holders:
             holder.forget_pages()
@@ -141,9 +151,11 @@ class PagePool:
             problems.append("a page is on the free list twice")
         if any(self._ref[p] for p in free):
             problems.append("a page on the free list is referenced")
-        shared = int((self._ref > 1).sum())
-        if shared != self.num_shared:
-            problems.append(f"{shared} pages are held more than once, num_shared says {self.num_shared}")
+        shared = set(np.flatnonzero(self._ref > 1).tolist())
+        if shared != self.shared:
+            problems.append(
+                f"pages {sorted(shared ^ self.shared)[:5]} disagree between the ref counts and the shared set"
+            )
         used = int((self._ref > 0).sum())
         if used + len(self._free) != self.num_pages:
             problems.append(f"free {len(self._free)} + used {used} != total {self.num_pages}")

@@ -8,15 +8,17 @@ sequences, and returns a :class:`StepPlan` naming where each array sits (:class:
 facade uploads the used prefix in one copy.
 
 The planner keeps, per shape ``(B, n, tree rows)`` of a forward, its layout, the host views of its
-arrays, their device views per ring slot and (decode) the constant part of its arrays
-(:class:`StepShape`), so a step builds no layout and no view. A decode step of a changed batch (one
-token per sequence, no token tree: what a server runs between arrivals, departures, forks and
-preemptions) has paths of its own: up to :data:`_FEW` sequences over Python ints (a NumPy call costs
-more than the Python for a few sequences), above that about fifteen whole-batch NumPy calls; Python
-per sequence only for those that get a page. Copy-on-write is looked for only while some page is
-shared (``PagePool.num_shared``). Other forwards (prefill, mixed, token trees) take the general path,
-:func:`plan_step`. Every path writes the same arrays for the same input (tests/test_planner.py
-checks them against docs/layout.md).
+arrays, their device views per ring slot and, for a decode shape, the constant part of its arrays
+(:class:`StepShape`; not even copied while the host buffer still holds it) and the forward last
+bound over each slot (``launch.Forward``: ``begin_forward`` rebinds only its batch), so a step builds
+no layout, no view and no kernel binding. A decode step of a changed batch (one token per sequence,
+no token tree: what a server runs between arrivals, departures, forks and preemptions) has paths of
+its own: up to :data:`_FEW` sequences over Python ints written as one int32 run through a memoryview
+(a NumPy call costs more than the Python for a few sequences), above that about a dozen whole-batch
+NumPy calls; Python per sequence only for those that get a page. Copy-on-write is looked for only
+when some sequence's last page is shared (``PagePool.shared``, one set test). Other forwards
+(prefill, mixed, token trees) take the general path, :func:`plan_step`. Every path writes the same
+arrays for the same input (tests/test_planner.py checks them against docs/layout.md).
 
 A decode step of the same batch as the decode step before it (same ids in the same order, one token
 each, nothing changed in between) needs no planning: :class:`RepeatDecode` keeps the previous step's
@@ -28,7 +30,8 @@ ints, no objects to walk per step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import attrgetter
 from typing import Any
@@ -112,7 +115,11 @@ class StepShape:
     zero: np.ndarray | None = None  # kv_window .. kv_tree_start (contiguous): zeroed by every plan
     template: np.ndarray | None = None
     rows: np.ndarray | None = None  # decode: [4, B] view of q_pos, slots, last_page_len, page_indptr[:B]
+    rows_at: int = 0  # decode: offset of q_pos in ``host`` (slots, last_page_len, page_indptr follow)
+    pad: list = field(default_factory=list)  # decode: zeros between two of those arrays
+    iv: Any = None  # ``host`` as an int32 memoryview (Python ints written without NumPy)
     dev: dict | None = None  # device slot -> device views (launch.device_views), for ``generation``
+    fwds: dict | None = None  # device slot -> the launch.Forward last bound over them (decode shapes)
     generation: int = -1
 
     def bind(self, host: np.ndarray) -> None:
@@ -128,6 +135,8 @@ class StepShape:
         stride = at[1] - at[0]
         if layout.arrays["q_pos"][1] == (B,) and at == [at[0] + k * stride for k in range(4)]:  # decode
             self.rows = host[at[0] : at[0] + 4 * stride].reshape(4, stride)[:, :B]
+            self.rows_at, self.pad = at[0], [0] * (stride - B)
+            self.iv = memoryview(host.data).cast("B").cast("i")
 
 
 @dataclass(slots=True)
@@ -142,23 +151,38 @@ class StepPlan:
     layout: PackedLayout
     slot: int  # device slot of the index buffer ring
     nnz: int  # page_indices entries
-    max_keys: int  # the longest sequence's kv length after the step (plans the decode split)
+    longest: int  # the longest sequence's kv length after the step (-1: from ``hist``, on first use)
     shape: StepShape | None = None
     npages: Any = None  # [B] pages of each sequence after the step (int array or list of ints)
+    hist: Any = None  # decode: kv lengths before the step, [B] (int32 array or list of ints)
 
     @property
     def used(self) -> int:
         return self.layout.used(self.nnz)
 
+    @property
+    def max_keys(self) -> int:
+        """The longest sequence's kv length after the step (plans the decode split; a CPU cache
+        never asks, so a decode step does not compute it unless asked)."""
+        if self.longest < 0:
+            hist = self.hist
+            self.longest = int(hist.max() if isinstance(hist, np.ndarray) else max(hist)) + 1
+        return self.longest
+
 
 class Planner:
     """Plans the forwards of one cache into ``ib`` (see the module docstring); keeps a
-    :class:`StepShape` per forward shape and the device views of each (slot, shape)."""
+    :class:`StepShape` per forward shape, the device views of each (slot, shape) and, for decode
+    shapes, the forward last bound over them."""
 
     def __init__(self, ib: IndexBuffers, page_size: int):
         self.ib, self.page_size = ib, page_size
         self._shapes: dict = {}
         self.few = _FEW
+        # the decode shape whose constant arrays (StepShape.template) the host buffer holds now: the
+        # last forward planned was a decode step of that shape without windows (the repeat-decode
+        # step changes only per-sequence arrays), so the next one of that shape skips the copy
+        self._clean: StepShape | None = None
 
     def shape(self, batch: int, total: int, tree_rows: int) -> StepShape:
         """The :class:`StepShape` of a forward (views not bound: :meth:`bound`)."""
@@ -167,6 +191,7 @@ class Planner:
         if shape is None:
             if len(self._shapes) >= _MAX_SHAPES:
                 self._shapes = {}
+                self._clean = None
             shape = self._shapes[key] = StepShape(PackedLayout.of(batch, total, tree_rows))
         return shape
 
@@ -182,7 +207,7 @@ class Planner:
         shape, ib = plan.shape, self.ib
         assert shape is not None
         if shape.generation != ib.generation or shape.dev is None:
-            shape.dev, shape.generation = {}, ib.generation
+            shape.dev, shape.fwds, shape.generation = {}, {}, ib.generation
         dev = shape.dev.get(plan.slot)
         if dev is None:
             layout = shape.layout
@@ -190,6 +215,21 @@ class Planner:
             dev["page_indices"] = ib.tail(plan.slot, layout.page_indices_at)
             shape.dev[plan.slot] = dev
         return dev
+
+    def kept_forward(self, plan: StepPlan):
+        """The forward (``launch.Forward``) last kept by :meth:`keep_forward` for ``plan``'s shape and
+        slot while the buffers' view cache stands, else None. Its arguments are the device views of
+        that shape and slot, which is all a decode forward binds besides the batch (``seq_ids``,
+        ``slides``: the caller sets them) and the decode split (the caller compares it)."""
+        shape = plan.shape
+        if shape is None or shape.fwds is None or shape.generation != self.ib.generation:
+            return None
+        return shape.fwds.get(plan.slot)
+
+    def keep_forward(self, plan: StepPlan, forward) -> None:
+        """Keep ``forward``, bound over :meth:`device_views` of ``plan`` (called first)."""
+        assert plan.shape is not None and plan.shape.fwds is not None
+        plan.shape.fwds[plan.slot] = forward
 
     def plan(self, seq_ids: list, seqs: list, lengths: list, parents, pool: PagePool, table: SequenceTable, copy_page):
         """Reserve the pages of a validated forward, write its index arrays and grow its sequences.
@@ -205,6 +245,7 @@ class Planner:
             if len(seqs) <= self.few:
                 return self._decode_few(seq_ids, seqs, pool, table, copy_page)
             return self._decode(seq_ids, seqs, pool, table, copy_page)
+        self._clean = None  # plan_step writes the whole packed region
         P, B = self.page_size, len(seqs)
         history = np.fromiter(map(_KV_LEN, seqs), np.int64, B)
         lens = np.array(lengths, np.int64)
@@ -231,45 +272,59 @@ class Planner:
         return plan
 
     def _decode_few(self, seq_ids: list, seqs: list, pool: PagePool, table: SequenceTable, copy_page) -> StepPlan:
-        """:meth:`_decode` for a few sequences, over Python ints (a NumPy call costs more than the
-        Python for a sequence): the same arrays."""
+        """:meth:`_decode` for a few sequences, over Python ints (a NumPy call costs more than the Python
+        for a few sequences): the same arrays, written as one int32 run (q_pos, slots, last_page_len,
+        page_indptr and the padding between them) through a memoryview of the host buffer."""
         P, B, ib = self.page_size, len(seqs), self.ib
         hist = list(map(_KV_LEN, seqs))
-        opens = [i for i, h in enumerate(hist) if not h % P]
-        cow = []
-        if pool.num_shared:
-            refs = pool.ref_counts_of(np.fromiter(map(_LAST_PAGE, seqs), np.int64, B)).tolist()
-            cow = [i for i, (h, r) in enumerate(zip(hist, refs)) if h % P and r > 1]
-        if opens or cow:
-            _decode_pages(seqs, opens, cow, pool, table, copy_page, P)
+        off = [h % P for h in hist]  # the new token's offset in its page; 0: it opens a page
+        shared = pool.shared  # copy-on-write only when some last page is shared (a set test)
+        if 0 in off or (shared and not shared.isdisjoint(map(_LAST_PAGE, seqs))):
+            opens = [i for i, o in enumerate(off) if not o]
+            cow = [i for i, (o, seq) in enumerate(zip(off, seqs)) if o and seq.last_page in shared] if shared else []
+            if opens or cow:
+                _decode_pages(seqs, opens, cow, pool, table, copy_page, P)
         npages = [h // P + 1 for h in hist]
-        starts = [0, *accumulate(npages)]  # page_indptr
-        nnz = starts[-1]
-        shape = self.shape(B, B, 1)
-        layout = shape.layout
-        slot = ib.next_slot(layout.used(nnz))
+        starts = list(accumulate(npages, initial=0))  # page_indptr
+        nnz = starts[B]
+        shape = self._shapes.get((B, B, 1)) or self.shape(B, B, 1)
+        pi = shape.layout.page_indices_at
+        slot = ib.next_slot(pi + max(nnz, 1))
         v = self._decode_views(shape)
-        assert shape.rows is not None
-        off = [h % P for h in hist]
-        slots = [seq.last_page * P + o for seq, o in zip(seqs, off)]
-        # q_pos, slots, last_page_len, page_indptr[:B] (one conversion, one copy: cheaper than four)
-        shape.rows[...] = np.array((hist, slots, [o + 1 for o in off], starts[:-1]), np.int32)
-        v["page_indptr"][B] = nnz
-        ib.write_concatenated(layout.page_indices_at, nnz, map(_PAGES, seqs))
-        return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, max(hist) + 1, npages)
+        pad = shape.pad
+        run = hist + pad + [page * P + o for page, o in zip(map(_LAST_PAGE, seqs), off)] + pad
+        run += [o + 1 for o in off]
+        run += pad
+        run += starts
+        at = shape.rows_at
+        shape.iv[at : at + len(run)] = array("i", run)
+        ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
+        return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, -1, npages, hist)
 
-    def _decode_plan(self, seq_ids, seqs, table: SequenceTable, v: dict, shape: StepShape, slot, nnz, max_keys, npages):
+    def _decode_plan(
+        self, seq_ids, seqs, table: SequenceTable, v: dict, shape: StepShape, slot, nnz, longest, npages, hist
+    ):
         """The end of both decode paths: windows into ``v``, every sequence one token longer, the plan."""
-        slides = self._decode_windows(seqs, v) if table.num_windowed and any(map(_WINDOW, seqs)) else []
+        slides = []
+        if table.num_windowed and any(map(_WINDOW, seqs)):
+            slides = self._decode_windows(seqs, v)
+            self._clean = None  # kv_window rows written
         for seq in seqs:
             seq.kv_len += 1
         B = len(seqs)
-        return StepPlan(seq_ids, [1] * B, B, "paged_decode", slides, shape.layout, slot, nnz, max_keys, shape, npages)
+        return StepPlan(
+            seq_ids, [1] * B, B, "paged_decode", slides, shape.layout, slot, nnz, longest, shape, npages, hist
+        )
 
     def _decode_views(self, shape: StepShape) -> dict:
         """The host views of a decode ``shape`` with everything but its per-sequence arrays written:
-        q_indptr = 0..B, kv_window and the tree arrays 0 (one copy of its template)."""
-        self.bound(shape)
+        q_indptr = 0..B, kv_window and the tree arrays 0 (one copy of its template, skipped when the
+        buffer still holds it)."""
+        if shape.host is not self.ib.host:
+            shape.bind(self.ib.host)
+        elif self._clean is shape:
+            assert shape.views is not None
+            return shape.views
         layout = shape.layout
         if shape.template is None:
             shape.template = np.zeros(layout.page_indices_at, np.int32)
@@ -277,6 +332,7 @@ class Planner:
             q_indptr[:] = np.arange(len(q_indptr))
         assert shape.prefix is not None and shape.views is not None
         shape.prefix[:] = shape.template
+        self._clean = shape
         return shape.views
 
     @staticmethod
@@ -295,39 +351,41 @@ class Planner:
         """:meth:`plan` of one new token per sequence, no token tree: the arrays of :func:`plan_step`
         for ``lens = 1`` (page_indptr = cumsum(kv_len // P + 1), last_page_len = kv_len % P + 1, slot
         = last page * P + kv_len % P, q_pos = kv_len, shifted by a window's gap), whole-batch, in
-        int32 (what the arrays hold)."""
+        int32 (what the arrays hold): two passes over the records, a dozen NumPy calls."""
         P, B, ib = self.page_size, len(seqs), self.ib
         hist = np.fromiter(map(_KV_LEN, seqs), np.int32, B)  # slots before the step = the new token's
         last = np.fromiter(map(_LAST_PAGE, seqs), np.int32, B)  # -1 without pages (then off == 0)
-        # (ufunc methods and ndarray.nonzero: NumPy's Python wrappers cost more than the work here)
-        npages, off = np.divmod(hist, P)  # full pages; the new token's offset, 0: it opens a page
-        opens = (off == 0).nonzero()[0]
-        cow = _NONE
-        if pool.num_shared:  # some page is shared: maybe a partial last page (copy-on-write)
-            shared = pool.ref_counts_of(last)  # (a sequence without pages has off 0)
-            shared -= 1
-            shared *= off  # > 0: shared and partial
-            cow = shared.nonzero()[0]
-        if len(opens) or len(cow):
-            rows, new = _decode_pages(seqs, opens.tolist(), cow.tolist(), pool, table, copy_page, P)
-            last[rows] = new
+        off = hist % P  # the new token's offset in its page; 0: it opens a page
+        shared = pool.shared  # copy-on-write only when some last page is shared (a set test)
+        if np.count_nonzero(off) < B or (shared and not shared.isdisjoint(last.tolist())):
+            opens = (off == 0).nonzero()[0]
+            cow = _NONE
+            if shared:  # some last page is shared: partial ones get a copy (copy-on-write)
+                refs = pool.ref_counts_of(last)  # (a sequence without pages has off 0)
+                refs -= 1
+                refs *= off  # > 0: shared and partial
+                cow = refs.nonzero()[0]
+            if len(opens) or len(cow):
+                rows, new = _decode_pages(seqs, opens.tolist(), cow.tolist(), pool, table, copy_page, P)
+                last[rows] = new
+        npages = hist // P
         npages += 1  # pages after the step
-        ends = np.add.accumulate(npages)
+        ends = npages.cumsum()
         nnz = int(ends[-1])
-        shape = self.shape(B, B, 1)
-        layout = shape.layout
-        slot = ib.next_slot(layout.used(nnz))
+        shape = self._shapes.get((B, B, 1)) or self.shape(B, B, 1)
+        pi = shape.layout.page_indices_at
+        slot = ib.next_slot(pi + max(nnz, 1))
         v = self._decode_views(shape)
-        v["page_indptr"][1:] = ends
-        pi = layout.page_indices_at
-        ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
-        np.add(off, 1, out=v["last_page_len"])
-        slots = v["slots"]
+        rows = shape.rows  # q_pos, slots, last_page_len, page_indptr[:B]
+        assert rows is not None
+        rows[0] = hist
+        slots = rows[1]
         np.multiply(last, P, out=slots)
         slots += off
-        q_pos = v["q_pos"]
-        q_pos[:] = hist
-        return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, int(np.maximum.reduce(hist)) + 1, npages)
+        np.add(off, 1, out=rows[2])
+        v["page_indptr"][1:] = ends
+        ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
+        return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, -1, npages, hist)
 
 
 def _decode_pages(seqs: list, opens: list, cow: list, pool: PagePool, table: SequenceTable, copy_page, P: int):
@@ -342,13 +400,17 @@ def _decode_pages(seqs: list, opens: list, cow: list, pool: PagePool, table: Seq
         table.grow_each([seqs[i] for i in opens], new)
         return opens, new
     rows = sorted(cow + opens)
+    grown, pages = [], []
     for i, page in zip(rows, new):
         seq = seqs[i]
         if seq.kv_len % P:
             copy_page(seq.last_page, page, seq.kv_len % P)
             table.copy_on_write(seq, page)
         else:
-            table.grow(seq, [page])
+            grown.append(seq)
+            pages.append(page)
+    if grown:
+        table.grow_each(grown, pages)
     return rows, new
 
 
@@ -455,7 +517,7 @@ def plan_step(planner: Planner, seq_ids, seqs, lens, history, npages, windowed, 
         layout=layout,
         slot=slot,
         nnz=nnz,
-        max_keys=int(end.max()),
+        longest=int(end.max()),
         shape=shape,
         npages=npages,
     )
