@@ -401,7 +401,11 @@ def render(rows, meta) -> str:
         "",
         "How tvmkv plans these steps: a batch that repeats the previous decode step's is advanced in place "
         "(`plan.RepeatDecode`: one add over the packed `q_pos` / `slots` / `last_page_len`, a page for each "
-        "sequence whose new token opens one, one upload). A changed decode batch takes `plan.Planner`'s "
+        "sequence whose new token opens one, one upload). A batch of the same size with a few rows replaced "
+        "(the *one replaced* and *a fork* rows) patches that plan: the kept rows advance in place, the "
+        "new rows (and their copy-on-write) are written, page tables rewritten from the first changed row, "
+        "provided every kept row's record is as the last step left it (`Sequence.stamp`). Any other "
+        "changed decode batch (the *order flipped* rows) takes `plan.Planner`'s "
         "decode path: up to 64 sequences over Python ints written as one int32 run through a memoryview, "
         "above that about a dozen whole-batch NumPy calls; the layout, host views, device views, constant "
         "arrays and the bound forward (`launch.Forward`, rebound only to the new batch) of each batch size "

@@ -337,3 +337,70 @@ def test_changed_batches_of_one_size_rebind_their_sequences(size):
             info, was = c.sequence_info(s), before[s]
             assert info.length == (min(was.length + 1, was.window) if was.window else was.length + 1), s
     c.check_integrity()
+
+
+@pytest.mark.parametrize("size,num_pages", [(3, 400), (24, 4000), (24, 70)])
+def test_rows_replaced_between_decode_steps(size, num_pages):
+    """A decode batch whose rows change between steps, a few at a time: a new empty sequence, a fork
+    of the row's sequence (rolled back into a shared page: copy-on-write), a sequence holding another's
+    pages (its partial last page shared) or a windowed one takes a row; meanwhile another, kept row's
+    sequence may be popped, swapped out and in, get its last page shared, or run another forward.
+    Every step's arrays and pages must be the layout's whether the kept plan is patched
+    (plan.RepeatDecode) or the step planned anew; with few pages some steps are refused."""
+    d = Driver(11, num_pages, size)  # sequences 0 .. size - 1
+    c, rng = d.cache, d.rng
+    for s in range(size):
+        d.forward([s], [int(rng.integers(1, 4 * P))], None)
+    batch = list(range(size))
+    patched, windowed, last = 0, None, []
+    for _ in range(200):
+        r = int(rng.integers(size)) if windowed is None else batch.index(windowed)
+        op = "new" if windowed is not None else rng.choice(["new", "fork", "pages", "window", "none"])
+        old, windowed = batch[r], None
+        if op == "new":
+            c.add_sequence(d.next_id)
+        elif op == "fork":
+            info = c.sequence_info(old)
+            try:
+                c.fork_sequence(old, d.next_id, info.length // P * P or info.length)
+            except (OutOfPagesError, ValueError):
+                continue
+            if c.sequence_length(d.next_id) % P == 0 and c.sequence_length(d.next_id):
+                c.pop_n(d.next_id, 1)
+        elif op == "pages":
+            info = c.sequence_info(old)
+            c.add_sequence_with_pages(d.next_id, list(info.pages), info.kv_len)
+        elif op == "window":  # a new sequence with a window takes the row (the general path plans it)
+            c.add_sequence(d.next_id)
+            c.enable_sliding_window_for_seq(d.next_id, 3 * P, 1)
+            windowed = d.next_id
+        if op != "none":
+            batch[r] = d.next_id
+            d.next_id += 1
+            if rng.random() < 0.5:
+                c.remove_sequence(old)
+        kept = batch[(r + 1 + int(rng.integers(size - 1))) % size] if size > 1 else None
+        change = rng.choice(["none", "none", "pop", "swap", "share", "other"])
+        if kept is not None and kept != batch[r]:
+            info = c.sequence_info(kept)
+            if change == "pop" and info.poppable:
+                c.pop_n(kept, 1)
+            elif change == "swap" and c.num_available_pages() >= len(info.pages):
+                c.swap_out([kept])
+                c.swap_in([kept])
+            elif change == "share" and info.pages:  # its (maybe partial) last page gets a second holder
+                c.add_sequence_with_pages(d.next_id, list(info.pages), info.kv_len)
+                d.next_id += 1
+            elif change == "other":
+                d.forward([kept], [2], None)
+        if rng.random() < 0.3:  # rows move too (a permutation, perhaps with new rows)
+            batch = [int(x) for x in rng.permutation(batch)]
+        before = d.repeats
+        d.forward(list(batch), [1] * size, None)
+        patched += batch != last and d.repeats > before  # a changed batch, patched
+        last = list(batch)
+    c.check_integrity()
+    if num_pages > 100:
+        assert patched > (4 if size < 8 else 10), patched  # (the seed fixes the stream)
+    else:
+        assert d.out_of_pages > 0

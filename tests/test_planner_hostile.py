@@ -280,3 +280,55 @@ def test_repeated_decode_validates_like_a_new_one(seq_ids, lengths):
     pair.decode([0, 1], 2)
     c.begin_forward(np.array([0, 1]), np.ones(2, np.int64))  # NumPy ints: the repeated step
     assert c.debug_forward().repeated
+
+
+@pytest.mark.parametrize("size", [4, 24])
+def test_rows_replaced_in_a_kept_decode_batch(size):
+    """A decode batch whose rows are replaced one or two at a time (a fork of the row's sequence rolled
+    back into its shared page, a new sequence over a prefix of another's pages, a fresh short one; the
+    old one removed or kept, the same id reused), with kept rows popped or swapped now and then: the
+    kept plan is patched (plan.RepeatDecode) or the step planned anew, and outputs must equal the
+    model's every step (rope inline: a wrong position changes them)."""
+    pair = _Pair(num_pages=900, seed=5)
+    rng, c, m = pair.rng, pair.c, pair.m
+    _populate(pair, size)
+    batch, next_id, patched = list(range(size)), 1000, 0
+    for step in range(80):
+        for r in rng.choice(size, int(rng.integers(1, 3)), replace=False).tolist():
+            old, info = batch[r], c.sequence_info(batch[r])
+            kind = int(rng.integers(3))
+            if kind == 0 and info.length:  # fork at the last page boundary, rolled back into it
+                pos = info.length // P * P or info.length
+                c.fork_sequence(old, next_id, pos)
+                m.fork(old, next_id, pos)
+                pair.ids.add(next_id)
+                if pos % P == 0:
+                    c.pop_n(next_id, 1)
+                    m.pop(next_id, 1)
+            elif kind == 1 and info.length:  # over a prefix of old's pages: a shared partial last page
+                n = int(rng.integers(1, info.length + 1))
+                c.add_sequence_with_pages(next_id, list(info.pages[: -(-n // P)]), n)
+                m.fork(old, next_id, n)
+                pair.ids.add(next_id)
+            else:
+                pair.add(next_id, int(rng.integers(1, 6)))
+            batch[r], next_id = next_id, next_id + 1
+            if rng.random() < 0.5:
+                pair.remove(old)
+        if step % 7 == 3:  # a kept row changes too: the general path
+            s = batch[int(rng.integers(size))]
+            if c.sequence_info(s).poppable:
+                c.pop_n(s, 1)
+                m.pop(s, 1)
+        if step % 3 == 1:  # rows move too (a permutation, perhaps with new rows)
+            batch = [int(x) for x in rng.permutation(batch)]
+        before = pair.repeated
+        pair.decode(batch, int(rng.integers(1, 3)))
+        patched += pair.repeated > before
+        for s in list(batch):  # long sequences start over under a new id
+            if c.sequence_length(s) > 40:
+                r = batch.index(s)
+                pair.remove(s)
+                pair.add(next_id, 3)
+                batch[r], next_id = next_id, next_id + 1
+    assert patched > 20, patched

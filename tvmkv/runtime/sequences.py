@@ -58,6 +58,9 @@ class Sequence:
     tree_parent: list = field(default_factory=list)
     tree_depth: list = field(default_factory=list)
     tree_last: int = 0  # nodes the last token-tree forward appended (the last of tree_parent)
+    # the decode plan (plan.Planner's step number) this record is exactly as that plan left it for,
+    # advanced by repeated steps; 0 once anything else changes it (its pages, length or window)
+    stamp: int = 0
     _buf: np.ndarray = field(default_factory=lambda: np.zeros(16, np.int32), repr=False)
     _n: int = 0
     pages: np.ndarray = field(init=False, repr=False)  # int32 view _buf[:_n]; change it only by methods
@@ -106,7 +109,7 @@ class Sequence:
 
     # ------------------------------------------------------------------ page list (the only writers)
     def _set(self, n: int) -> None:
-        self._n, self.pages = n, self._buf[:n]
+        self._n, self.pages, self.stamp = n, self._buf[:n], 0
         self.last_page = int(self._buf[n - 1]) if n else -1
 
     def set_pages(self, pages) -> None:
@@ -133,11 +136,11 @@ class Sequence:
             buf[:n] = self.pages
             self._buf = buf
         self._buf[n] = page
-        self._n, self.pages, self.last_page = n + 1, self._buf[: n + 1], page
+        self._n, self.pages, self.last_page, self.stamp = n + 1, self._buf[: n + 1], page, 0
 
     def replace_last_page(self, page: int) -> None:
         self._buf[self._n - 1] = page
-        self.last_page = page
+        self.last_page, self.stamp = page, 0
 
     def truncate_pages(self, keep: int) -> list:
         """Keep the first ``keep`` pages; return the dropped ones."""
@@ -250,6 +253,7 @@ class SequenceTable:
             del self.swapped[seq_id]
         else:
             seq = self.resident.pop(seq_id)
+            seq.stamp = 0
             self.num_windowed -= seq.window > 0
             self.pool.release(seq.pages)
         self.version += 1
@@ -271,7 +275,7 @@ class SequenceTable:
     def truncate(self, seq: Sequence, kv_len: int) -> None:
         """Keep the first ``kv_len`` slots; pages no longer used are released."""
         self.pool.release(seq.truncate_pages(-(-kv_len // self.page_size)))
-        seq.kv_len = kv_len
+        seq.kv_len, seq.stamp = kv_len, 0
         if seq.window_start > max(kv_len, seq.sink_end):
             seq.window_start = max(kv_len, seq.sink_end)
         self.version += 1
@@ -279,6 +283,7 @@ class SequenceTable:
     def set_window(self, seq: Sequence, window: int, sink: int) -> None:
         self.num_windowed += (window > 0) - (seq.window > 0)
         seq.window, seq.sink, seq.sink_end, seq.window_start = window, sink, sink, sink
+        seq.stamp = 0
         self.version += 1
         self.slide(seq)
 
@@ -292,7 +297,7 @@ class SequenceTable:
         if excess <= 0:
             return
         seq.window_start += excess
-        seq.dropped = True
+        seq.dropped, seq.stamp = True, 0
         self.version += 1
         first, last = -(-seq.sink_end // P), seq.window_start // P
         if last > first:
@@ -336,6 +341,8 @@ class SequenceTable:
         self.version += 1
 
     def clear(self) -> None:
+        for seq in self.resident.values():
+            seq.stamp = 0
         self.resident.clear()
         self.swapped.clear()
         self.reserved.clear()
