@@ -2,10 +2,12 @@
 
 fp16, H_qo 32, H_kv 8, D 128, page 16, rope mode "none" (bench/_attention_cases.py's shape), one layer,
 decode ``B x L`` (one new token per sequence over ``L`` tokens of history). Per case: device µs of a call
-(CUDA events, queued behind a GPU spin: the kernels alone, split + append + attention [+ merge]) and µs
-per call with its host work (no spin), for torch CUDA tensors and for tvm tensors, beside torch SDPA on
-contiguous K/V (attention alone, ``enable_gqa``). The launches per call are named: ``split_rope_append``
-(split + append fused) where the kernel library has it, else ``split_rope`` + ``append``.
+(CUDA events, queued behind a GPU spin: the kernels alone, split + append + attention [+ merge]), µs
+per call with its host work (no spin), and the host µs of a call (back-to-back calls, the GPU not
+waited for), for torch CUDA tensors and for tvm tensors, beside torch SDPA on contiguous K/V
+(attention alone, ``enable_gqa``). The launches per call are named: ``paged_decode_append`` (split,
+rotate, append and attention [and the split's merge] in one kernel) where the kernel library has it,
+else ``split_rope_append`` (split + append) and the attention kernel.
 
 ``--step-layers N`` (default 32) adds whole decode steps of an N-layer cache: ``begin_forward``, N
 ``attention_with_fused_qkv`` calls, ``end_forward`` and a synchronize (what a server's step costs once
@@ -34,6 +36,25 @@ from _common import CudaTimer
 
 CASES = [(1, 1024), (32, 1024), (64, 4096), (128, 4096)]
 STEP_CASES = [(1, 1024), (8, 1024), (32, 1024), (64, 2048)]
+
+
+def host_time(fn, calls: int = 200, rounds: int = 15) -> float:
+    """Host µs per call: ``calls`` back-to-back calls (few enough that the launch queue never fills, so
+    the host does not wait for the GPU), synchronized after the timing; median over ``rounds``."""
+    import time
+
+    import numpy as np
+    import torch
+
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    torch.cuda.synchronize()
+    return float(np.median(times) * 1e6)
 
 
 def decode_cache(B: int, L: int):
@@ -99,12 +120,13 @@ def _wall(run, steps: int) -> float:
 
 
 def _tvmkv_step(B: int, L: int, layers: int, steps: int, timer) -> dict:
+    import numpy as np
     import torch
 
     from tvmkv import PagedAttentionKVCache
     from tvmkv.runtime.graphs import StepGraphs
 
-    grow = 3 * steps + 64  # tokens each sequence gains over the timed steps
+    grow = 2 * steps + 64  # tokens each sequence gains over the timed steps (and the warm-up)
     cache = PagedAttentionKVCache(
         layers,
         H_QO,
@@ -140,10 +162,15 @@ def _tvmkv_step(B: int, L: int, layers: int, steps: int, timer) -> dict:
 
         return one
 
-    _wall(step(attention), steps)  # warm-up
+    _wall(step(attention), 3)  # warm-up
     _wall(step(graphs), 4)  # captures for both index-buffer slots
     captures = graphs.captures
-    row = {"eager_step_us": _wall(step(attention), steps), "graph_step_us": _wall(step(graphs), steps)}
+    # eager and graph steps alternate (pairs, so each sees both slots), so both meet the same lengths
+    eager, graph = [], []
+    for _ in range(steps // 2):
+        eager.append(_wall(step(attention), 2))
+        graph.append(_wall(step(graphs), 2))
+    row = {"eager_step_us": float(np.median(eager)), "graph_step_us": float(np.median(graph))}
     row["recaptures"] = graphs.captures - captures  # new keys met during the timed graph steps
     cache.begin_forward(ids, ones)  # device time: the same forward's work again (idempotent)
     row["eager_device_us"] = timer.time(attention)
@@ -198,7 +225,13 @@ def main(argv=None) -> int:
     rows = []
     for B, L in [] if args.skip_calls else CASES:
         cache = decode_cache(B, L)
-        launches = "split_rope_append" if "split_rope_append" in cache.kernels else "split_rope + append"
+        lib = cache.kernels
+        if "paged_decode_append" in lib:
+            launches = "paged_decode_append[_split] (one launch)"
+        elif "split_rope_append" in lib:
+            launches = "split_rope_append + attention"
+        else:
+            launches = "split_rope + append + attention"
         qkv_t = torch.rand(B, H_QO + 2 * H_KV, D, device="cuda", dtype=torch.float16)
         out_t = torch.empty(B, H_QO, D, device="cuda", dtype=torch.float16)
         qkv_v = tvm.runtime.tensor(qkv_t.cpu().numpy(), tvm.cuda(0))
@@ -211,6 +244,7 @@ def main(argv=None) -> int:
 
             row[f"{kind}_device_us"] = timer.time(call)
             row[f"{kind}_call_us"] = timer.time(call, queued=False)
+            row[f"{kind}_host_us"] = host_time(call)
         row["sdpa_us"] = timer.time(sdpa(B, L))
         cache.end_forward()
         print(json.dumps(row), flush=True)
@@ -225,14 +259,15 @@ def main(argv=None) -> int:
     launches = rows[0]["launches"] if rows else ""
     lines = [
         f"{card}; launches: {launches}; µs (device = kernels alone; call = with host work)",
-        "| case | splits | torch tensors: device / call | tvm tensors: device / call | SDPA device | device / SDPA |",
+        "| case | splits | torch tensors: device / call / host | tvm tensors: device / call / host | SDPA device "
+        "| device / SDPA |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['case']} | {r['splits']} | {r['torch_device_us']:.1f} / {r['torch_call_us']:.1f} | "
-            f"{r['tvm_device_us']:.1f} / {r['tvm_call_us']:.1f} | {r['sdpa_us']:.1f} | "
-            f"{r['torch_device_us'] / r['sdpa_us']:.2f} |"
+            f"| {r['case']} | {r['splits']} | {r['torch_device_us']:.1f} / {r['torch_call_us']:.1f} / "
+            f"{r['torch_host_us']:.1f} | {r['tvm_device_us']:.1f} / {r['tvm_call_us']:.1f} / {r['tvm_host_us']:.1f} | "
+            f"{r['sdpa_us']:.1f} | {r['torch_device_us'] / r['sdpa_us']:.2f} |"
         )
     if steps:
         lines += [

@@ -18,6 +18,8 @@ from conftest import to_dev
 
 from tvmkv.build import load_kernels
 from tvmkv.reference import attention as ref
+from tvmkv.tir import split_granule
+from tvmkv.tir.decode_layout import MERGE_MAX_SPLITS
 from tvmkv.tir.spec import KernelSpec
 
 H_KV = 2
@@ -279,7 +281,115 @@ def test_paged_decode_split(target, cfg, rng):
         lse = to_dev(np.zeros((B, spec.num_qo_heads), np.float32), target)
         lib["merge_splits"](o_part, lse_part, o, lse)
         _check(o, lse, o_full, lse_full, spec.dtype, rope)
+        if "paged_decode_split_merge" in lib:  # cuda: the same in one launch; twice on one counter array
+            blocks = split_granule(spec)[0]
+            counter = to_dev(np.zeros(B * blocks + 3, np.int32), target)
+            if S > MERGE_MAX_SPLITS:  # more chunks than the in-kernel merge takes: refused, nothing written
+                with pytest.raises(Exception, match="at most 64 chunks"):
+                    lib["paged_decode_split_merge"](
+                        *args, o_part, lse_part, counter, o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, kv_chunk
+                    )
+                continue
+            for _ in range(2):
+                o = to_dev(np.ones_like(q), target)
+                lse = to_dev(np.zeros((B, spec.num_qo_heads), np.float32), target)
+                lib["paged_decode_split_merge"](
+                    *args, o_part, lse_part, counter, o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, kv_chunk
+                )
+                _check(o, lse, o_full, lse_full, spec.dtype, rope)
+                assert not counter.numpy().any()  # every merging block reset its arrival count
     assert np.isneginf(lse.numpy()[0]).all() and (o.numpy()[0].astype(np.float32) == 0).all()
+
+
+APPEND_CFGS = [  # dtype, D, P, group, sliding, rope mode (kernel sets other tests build too)
+    ("float16", 128, 16, 4, False, "none"),
+    ("float32", 64, 8, 2, True, "inline"),
+    ("float16", 128, 1, 2, True, "none"),
+    ("bfloat16", 64, 16, 4, False, "normal"),
+    ("float32", 64, 8, 2, False, "normal"),
+]
+
+
+@pytest.mark.parametrize("cfg", APPEND_CFGS, ids=lambda c: "-".join(map(str, c)))
+def test_paged_decode_append(target, cfg, rng):
+    """A decode layer in one launch (split_rope_append folded into the decode kernel, split or not):
+    the new K/V (k rotated in rope mode "normal") land in their slots, and the output matches the
+    NumPy decode over pages that hold them, though the pages held NaN there when the kernel started
+    (no block may read the new key from the pages)."""
+    *core, sliding, mode = cfg
+    spec = _spec(target, tuple(core))
+    lib = load_kernels(spec, rope_mode=mode, sliding=sliding)
+    if "paged_decode_append" not in lib:
+        assert target == "llvm"  # the CPU runs split_rope_append + paged_decode
+        pytest.skip("no append-fused decode on llvm")
+    P, Hq, Hkv, D = spec.page_size, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    kv_lens = [1, P, 2 * P + 3, 37, 300, 777]  # the new token included (each sequence's last slot)
+    B = len(kv_lens)
+    pg = Paged(rng, spec, kv_lens)
+    if sliding:
+        pg.kv_window[:] = [(0, 0, 0), (1, 0, 0), (4, 2 * P, 9), (0, 0, 0), (3, 200, 40), (16, 500, 7)]
+    qkv = _rand(rng, (B, Hq + 2 * Hkv, D), spec.dtype)
+    q_pos = np.array([L - 1 + w[2] for L, w in zip(kv_lens, pg.kv_window, strict=True)], np.int32)
+    last = pg.page_indices[pg.page_indptr[1:] - 1]
+    slot = (last * P + pg.last_page_len - 1).astype(np.int32)
+    k_new = qkv[:, Hq : Hq + Hkv]
+    q = qkv[:, :Hq]
+    if mode == "normal":  # stored rotated (rounded to the cache dtype, as split_rope stores it)
+        k_new = ref.rope(k_new, q_pos, ROPE_SCALE, ROPE_THETA).astype(np.float32).astype(_np_dtype(spec.dtype))
+        q = ref.rope(q, q_pos, ROPE_SCALE, ROPE_THETA)
+    want_pages = pg.pages.copy()
+    want_pages[slot // P, 0, :, slot % P] = k_new
+    want_pages[slot // P, 1, :, slot % P] = qkv[:, Hq + Hkv :]
+    sm_scale = 1.0 / math.sqrt(D)
+    o_ref, lse_ref = ref.paged_decode(
+        q,
+        q_pos,
+        want_pages,
+        *pg.tables(),
+        sm_scale,
+        ROPE_SCALE,
+        ROPE_THETA,
+        sliding=sliding,
+        inline_rope=mode == "inline",
+    )
+    stale = pg.pages.copy()
+    stale[slot // P, :, :, slot % P] = np.nan
+    tables = [to_dev(a, target) for a in pg.tables()]
+    q_pos_d, qkv_d, slot_d = to_dev(q_pos, target), to_dev(qkv, target), to_dev(slot, target)
+    tol = _tol(spec.dtype, mode != "none")
+    blocks = split_granule(spec)[0]
+    for kv_chunk in (None, 64, 200):
+        pages = to_dev(stale, target)
+        o = to_dev(np.ones((B, Hq, D), _np_dtype(spec.dtype)), target)
+        lse = to_dev(np.zeros((B, Hq), np.float32), target)
+        if kv_chunk is None:
+            lib["paged_decode_append"](qkv_d, q_pos_d, pages, *tables, slot_d, o, lse, sm_scale, ROPE_SCALE, ROPE_THETA)
+        else:
+            S = -(-max(kv_lens) // kv_chunk)
+            parts = (
+                to_dev(np.full((S, B, Hq, D), np.nan, np.float32), target),
+                to_dev(np.full((S, B, Hq), np.nan, np.float32), target),
+            )
+            counter = to_dev(np.zeros(B * blocks, np.int32), target)
+            lib["paged_decode_append_split"](
+                qkv_d,
+                q_pos_d,
+                pages,
+                *tables,
+                slot_d,
+                *parts,
+                counter,
+                o,
+                lse,
+                sm_scale,
+                ROPE_SCALE,
+                ROPE_THETA,
+                kv_chunk,
+            )
+            assert not counter.numpy().any()
+        _check(o, lse, o_ref, lse_ref, spec.dtype, mode != "none")
+        got = pages.numpy().astype(np.float64)
+        np.testing.assert_allclose(got, want_pages.astype(np.float64), atol=tol, rtol=tol)
 
 
 def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=None):
@@ -658,10 +768,17 @@ def test_decode_cuda_fast_path_compiles(tmp_path):
         assert decode_layout(spec) is not None
         funcs[f"decode_{k}"] = make_paged_decode_cuda(spec, sliding=k > 0, inline_rope=k == 1)
         funcs[f"split_{k}"] = make_paged_decode_cuda(spec, sliding=k > 0, inline_rope=k == 1, split=True)
+        funcs[f"split_merge_{k}"] = make_paged_decode_cuda(
+            spec, sliding=k > 0, inline_rope=k == 1, split=True, merge=True
+        )
+        for split in (False, True):  # split_rope_append folded in (rope mode "normal" rotates q and k)
+            funcs[f"append_{k}_{split}"] = make_paged_decode_cuda(
+                spec, sliding=k > 0, inline_rope=k == 1, split=split, merge=split, append=True, rotate=k != 1
+            )
     funcs["decode_db"] = make_paged_decode_cuda(specs[0], double_buffer=True, unroll=2)
     funcs["merge_splits"] = make_merge_splits(specs[0])
     src = compile_funcs(funcs, "cuda", "sm_80").mod.imports[0].inspect_source()
-    assert "int kv_chunk" in src and "cp.async.cg.shared.global" in src
+    assert "int kv_chunk" in src and "cp.async.cg.shared.global" in src and "__ldcg" in src
     _assert_nvcc_accepts(src, tmp_path / "dec.cu", "1046,177,550")
     # outside the fast layout (D 80: 40 elements per lane) there is no split kernel
     assert make_paged_decode_cuda(KernelSpec(12, 1, 80, 8, "bfloat16", "cuda"), split=True) is None

@@ -498,6 +498,7 @@ class PagedAttentionKVCache:
                 dev = device_views(ib, slot, R.layout)
                 fwd = L.bind(R.seq_ids, R.ones, len(R.seqs), "paged_decode", [], dev, slot, split)
                 R.forwards[slot] = fwd
+            fwd.seq_ids = R.seq_ids  # (a step that replaced rows has new ids)
             self._fwd = fwd
             self._step += 1
             self._repeated = True
@@ -512,7 +513,7 @@ class PagedAttentionKVCache:
             seq_ids = [check_id(s, "seq_ids[i]") for s in seq_ids]
         resident = table.resident
         try:  # ints only by now: plain lookups, and the table's own errors for an unknown or swapped id
-            seqs = [resident[s] for s in seq_ids]
+            seqs = list(map(resident.__getitem__, seq_ids))
         except KeyError:
             seqs = list(map(table.get, seq_ids))
         lengths = _int_list(append_lengths, "append_lengths")
@@ -550,22 +551,27 @@ class PagedAttentionKVCache:
                         "(commit_accepted_token_tree_nodes) or pass token_tree_parent_ptr"
                     )
         # pages reserved (OutOfPagesError before any change), arrays written, sequences grown (plan.Planner)
-        plan = self._planner.plan(seq_ids, seqs, lengths, parents, pool, table, self._copy_page)
+        planner, L = self._planner, self._launcher
+        plan = planner.plan(seq_ids, seqs, lengths, parents, pool, table, self._copy_page)
         ib.upload(plan.slot, plan.used)
-        decode = plan.kernel == "paged_decode"
         self._step += 1
-        self._fwd = self._launcher.bind(
-            plan.seq_ids,
-            plan.lengths,
-            plan.total,
-            plan.kernel,
-            plan.slides,
-            self._planner.device_views(plan),
-            plan.slot,
-            self._launcher.decode_split(len(seqs), plan.max_keys) if decode else NO_SPLIT,
-        )
-        if decode and not plan.slides:
-            self._repeat = RepeatDecode.after(plan, seqs, plan.npages, ib, pool, table, self._fwd)
+        if plan.kernel != "paged_decode":
+            dev = planner.device_views(plan)
+            self._fwd = L.bind(plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot)
+            return
+        # a decode forward binds only device views of its shape and slot, and its split: the one bound
+        # last over them is kept (Planner.keep_forward) and reused with this step's batch
+        split = NO_SPLIT if L.granule is None else L.decode_split(len(seqs), plan.max_keys)
+        fwd = planner.kept_forward(plan)
+        if fwd is None or fwd.decode_split != split:
+            dev = planner.device_views(plan)
+            fwd = L.bind(plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot, split)
+            planner.keep_forward(plan, fwd)
+        else:
+            fwd.seq_ids, fwd.lengths, fwd.slides = plan.seq_ids, plan.lengths, plan.slides
+        self._fwd = fwd
+        if not plan.slides:
+            self._repeat = RepeatDecode.after(plan, seqs, plan.npages, ib, pool, table, fwd, self._copy_page)
 
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Append this layer's new K/V and compute attention for the tokens of the open forward.

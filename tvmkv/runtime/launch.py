@@ -4,7 +4,9 @@
 ``prefill_chunk_size`` rows, the split decode's partial states) and turns a planned step into a
 :class:`Forward`: the device views of its uploaded index arrays and every kernel argument except the
 layer's pages, qkv, the output and ``sm_scale``. :func:`run_layer` then launches a layer with O(1)
-Python work: split/rotate, append, attention (and the merge of a split decode's chunks).
+Python work: split/rotate, append, attention (and the merge of a split decode's chunks) — on cuda a
+decode layer is one launch (``paged_decode_append``: all of it in one kernel, docs/layout.md "Fused
+qkv"), and a split decode merges its chunks in the same kernel (``paged_decode_split_merge``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from ..config import CacheConfig
 from ..tir import split_granule
+from ..tir.decode_layout import MERGE_MAX_SPLITS
 from ..tir.mla_layout import mla_blocks_per_sm, mla_split_granule
 from .decode_split import BLOCKS_PER_SM, NO_SPLIT, DecodeSplit, plan_split
 from .index_buffer import IndexBuffers
@@ -42,7 +45,9 @@ class Forward:
     paged: bool = True
     kernels: tuple = ()  # (split_rope or split_rope_append, append, attention) functions of the library
     decode_split: DecodeSplit = NO_SPLIT  # paged_decode only: how the step cuts its sequences
-    merge: Any = None  # merge_splits when decode_split splits, else None
+    merge: Any = None  # merge_splits when decode_split splits with two launches, else None
+    counter: Any = None  # paged_decode_split_merge's arrival counts when it splits in one launch
+    single: tuple = ()  # decode in one launch: (paged_decode_append[_split], head, tail, trailing scalars)
     parts: tuple = ()  # (o_part, lse_part) views the split decode writes and merge_splits reads
     qkv_shape: tuple = ()  # [total, H_qo + 2 H_kv, D] expected of qkv
     o_shape: tuple = ()  # [total, H_qo, D] expected of out
@@ -93,6 +98,12 @@ class Launcher:
         cfg, n, empty = config, config.prefill_chunk_size, tvm.runtime.empty
         self._scratch_views: dict = {}
         self._part_bufs: tuple | None = None
+        self._counter = None  # paged_decode_split_merge's arrival counts (all zero between launches)
+        if not config.is_mla and "paged_decode_split_merge" in kernels:
+            import numpy as np
+
+            rows = config.max_batch_size * split_granule(config.kernel_spec)[0]
+            self._counter = tvm.runtime.tensor(np.zeros(rows, np.int32), device)
         if config.is_mla:  # MLA layers launch from the cache's own calls (append_mla_kv, cross_attention)
             self._scratch_bufs: dict = {}
             return
@@ -182,6 +193,21 @@ class Launcher:
             fwd.shared = self.paged(fwd)
         return fwd.shared
 
+    def _single_launch(self, fwd: Forward, split: DecodeSplit, batch: int) -> tuple:
+        """A decode layer as one launch (split + rotate + append + attention [+ merge]) where the library
+        has it: ``(kernel, head, tail, trailing scalars)`` for
+        ``kernel(qkv, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, *trailing)``; ``()``
+        otherwise (then ``split_rope_append`` and the attention kernels launch)."""
+        lib, d = self.kernels, fwd.dev
+        tail = (*_paged_tail(d)[:4], d["slots"])
+        if split.num_splits == 1:
+            return (lib["paged_decode_append"], (d["q_pos"],), tail, ()) if "paged_decode_append" in lib else ()
+        if "paged_decode_append_split" not in lib or split.num_splits > MERGE_MAX_SPLITS or self._counter is None:
+            return ()
+        o_part, lse_part = self._split_parts(split, batch)
+        tail += (o_part, lse_part, self._counter)
+        return lib["paged_decode_append_split"], (d["q_pos"],), tail, (split.kv_chunk,)
+
     def bind(self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT) -> Forward:
         """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
         cfg, d, lib = self.config, dev, self.kernels
@@ -230,11 +256,17 @@ class Launcher:
         if kernel == "paged_decode":
             fwd.attn_head = (s["q"], d["q_pos"])
             fwd.attn_tail = paged_tail[:4]
+            fwd.single = self._single_launch(fwd, decode_split, total)
             if decode_split.num_splits > 1:
                 fwd.decode_split = decode_split
-                fwd.kernels = (*fwd.kernels[:2], lib["paged_decode_split"])
-                fwd.merge = lib["merge_splits"]
                 fwd.parts = self._split_parts(decode_split, total)
+                if self._counter is not None and decode_split.num_splits <= MERGE_MAX_SPLITS:
+                    # the last block of each group merges the chunks: one launch
+                    fwd.kernels = (*fwd.kernels[:2], lib["paged_decode_split_merge"])
+                    fwd.counter = self._counter
+                else:
+                    fwd.kernels = (*fwd.kernels[:2], lib["paged_decode_split"])
+                    fwd.merge = lib["merge_splits"]
         elif kernel == "ragged_prefill_causal":
             fwd.paged = False
             fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])
@@ -252,14 +284,22 @@ def graph_key(fwd: Forward) -> tuple:
     correctly in the other, whose index arrays were uploaded to the same memory."""
     if not fwd.key:
         bufs = (*fwd.dev.values(), *fwd.scratch.values(), *fwd.parts)
+        if fwd.counter is not None:
+            bufs += (fwd.counter,)
         where = tuple((b.data_ptr(), tuple(b.shape)) for b in bufs)
-        fwd.key = (fwd.kernel, fwd.total, fwd.fused, fwd.merge is not None, fwd.decode_split, where)
+        launches = (fwd.fused, fwd.merge is not None, fwd.counter is not None, len(fwd.single))
+        fwd.key = (fwd.kernel, fwd.total, launches, fwd.decode_split, where)
     return fwd.key
 
 
 def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> None:
     """Launch one layer's kernels with the arguments :meth:`Launcher.bind` prepared (O(1) Python).
     ``window`` > 0: the layer attends within a sliding window of its own (``fwd.local``)."""
+    if fwd.single and not window:  # the whole decode layer in one launch
+        kernel, head, tail, trailing = fwd.single
+        lse, rope_scale, rope_theta = fwd.attn_end
+        kernel(qkv, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, *trailing)
+        return
     split_rope, append, attention = fwd.kernels
     if fwd.fused:  # split + rotate + append in one kernel
         split_rope(qkv, *fwd.split, pages, *fwd.append)
@@ -272,6 +312,22 @@ def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> 
             fwd.local(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta, window)
         else:
             fwd.local(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta, window)
+    elif fwd.counter is not None:  # split decode, merged by the last block of each group
+        o_part, lse_part = fwd.parts
+        attention(
+            *fwd.attn_head,
+            pages,
+            *fwd.attn_tail,
+            o_part,
+            lse_part,
+            fwd.counter,
+            o,
+            lse,
+            sm_scale,
+            rope_scale,
+            rope_theta,
+            fwd.decode_split.kv_chunk,
+        )
     elif fwd.merge is not None:  # split decode: a partial state per chunk, then their merge
         o_part, lse_part = fwd.parts
         attention(

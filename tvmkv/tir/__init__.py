@@ -71,6 +71,7 @@ def kernel_set(
         "ragged_prefill_causal": ragged.make_ragged_prefill(spec, mask="causal", inline_rope=inline),
         "ragged_prefill_tree": ragged.make_ragged_prefill(spec, mask="tree", inline_rope=inline),
         "paged_decode_split": decode.make_paged_decode_split(spec, sliding=sliding, inline_rope=inline),
+        "paged_decode_split_merge": decode.make_paged_decode_split_merge(spec, sliding=sliding, inline_rope=inline),
         "merge_state": merge.make_merge_state(spec),
         "merge_splits": merge.make_merge_splits(spec),
         "copy_page": page_ops.make_copy_page(spec),
@@ -81,8 +82,16 @@ def kernel_set(
     }
     if rope_scaling is None:  # split + rotate + append in one launch (forwards whose attention reads the pages)
         kernels["split_rope_append"] = rope.make_split_rope(spec, rotate=rope_mode == "normal", into_pages=True)
+        for name, split in (("paged_decode_append", False), ("paged_decode_append_split", True)):
+            f = decode.make_paged_decode_append(
+                spec, sliding=sliding, inline_rope=inline, rotate=rope_mode == "normal", split=split
+            )
+            if f is not None and kernels["paged_decode_split"] is not None:  # cuda, fast decode layout
+                kernels[name] = f
     if kernels["paged_decode_split"] is None:  # cuda shapes without the fast decode layout: no split
         del kernels["paged_decode_split"]
+    if kernels["paged_decode_split_merge"] is None:  # llvm, or no split: split + merge_splits
+        del kernels["paged_decode_split_merge"]
     if local:
         kernels["paged_prefill_causal_local"] = prefill.make_paged_prefill(
             spec, mask="causal", sliding=sliding, inline_rope=inline, local=True

@@ -24,7 +24,97 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._kernel_common import func_attrs
+from .decode_layout import MERGE_MAX_SPLITS
 from .spec import KernelSpec
+
+
+def _decode_append_func(spec: KernelSpec, body, *, split: bool):
+    """``paged_decode_append`` / ``paged_decode_append_split`` (see :func:`decode_func`)."""
+    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    attrs = func_attrs(spec)
+    if split:
+
+        @T.prim_func
+        def paged_decode_append_split(
+            var_qkv: T.handle,
+            var_q_pos: T.handle,
+            var_pages: T.handle,
+            var_page_indptr: T.handle,
+            var_page_indices: T.handle,
+            var_last_page_len: T.handle,
+            var_kv_window: T.handle,
+            var_slots: T.handle,
+            var_o_part: T.handle,
+            var_lse_part: T.handle,
+            var_counter: T.handle,
+            var_o: T.handle,
+            var_lse: T.handle,
+            sm_scale: T.float32,
+            rope_scale: T.float32,
+            rope_theta: T.float32,
+            kv_chunk: T.int32,
+        ):
+            T.func_attr(attrs)
+            B = T.int32()
+            NSPLIT = T.int32()
+            num_pages = T.int32()
+            nnz = T.int32()
+            ncount = T.int32()
+            q = T.match_buffer(var_qkv, (B, H_qo + 2 * H_kv, D), dtype)
+            q_pos = T.match_buffer(var_q_pos, (B,), "int32")
+            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+            new_slots = T.match_buffer(var_slots, (B,), "int32")
+            o_part = T.match_buffer(var_o_part, (NSPLIT, B, H_qo, D), "float32")
+            lse_part = T.match_buffer(var_lse_part, (NSPLIT, B, H_qo), "float32")
+            counter = T.match_buffer(var_counter, (ncount,), "int32")
+            o = T.match_buffer(var_o, (B, H_qo, D), dtype)
+            lse = T.match_buffer(var_lse, (B, H_qo), "float32")
+            assert NSPLIT <= MERGE_MAX_SPLITS, (
+                "paged_decode_append_split merges at most 64 chunks; use split_rope_append, paged_decode_split and "
+                "merge_splits"
+            )
+            body()
+
+        return paged_decode_append_split
+
+    @T.prim_func
+    def paged_decode_append(
+        var_qkv: T.handle,
+        var_q_pos: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_indices: T.handle,
+        var_last_page_len: T.handle,
+        var_kv_window: T.handle,
+        var_slots: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr(attrs)
+        B = T.int32()
+        num_pages = T.int32()
+        nnz = T.int32()
+        q = T.match_buffer(var_qkv, (B, H_qo + 2 * H_kv, D), dtype)
+        q_pos = T.match_buffer(var_q_pos, (B,), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+        last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+        kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+        new_slots = T.match_buffer(var_slots, (B,), "int32")
+        o = T.match_buffer(var_o, (B, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (B, H_qo), "float32")
+        NSPLIT = T.meta_var(1)
+        body()
+
+    return paged_decode_append
 
 
 def _layer_window_var(local: bool):
@@ -143,21 +233,75 @@ def ragged_prefill_func(spec: KernelSpec, body, *, local: bool = False):
     return _with_layer_window(ragged_prefill, lw)
 
 
-def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False):
-    """The ``paged_decode`` PrimFunc of ``spec`` (with ``split``: ``paged_decode_split``) around
-    ``body``, a macro without arguments; one signature for every target and schedule.
+def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, merge: bool = False, append: bool = False):
+    """The ``paged_decode`` PrimFunc of ``spec`` (with ``split``: ``paged_decode_split``; with ``merge``
+    too: ``paged_decode_split_merge``) around ``body``, a macro without arguments; one signature for
+    every target and schedule.
 
     The parameters are those of :func:`tvmkv.tir.decode.make_paged_decode` (``split``:
-    ``make_paged_decode_split``); ``body`` reads them by name: the sizes ``B`` and ``NSPLIT`` (1 without
-    split), the buffers ``q`` ... ``kv_window``, ``o`` / ``lse`` (``o_part`` / ``lse_part``), the scalars
-    ``sm_scale``, ``rope_scale``, ``rope_theta`` (and ``kv_chunk``). ``local`` (without ``split``):
-    ``paged_decode_local``, plus the trailing ``layer_window`` (int32).
+    ``make_paged_decode_split``; ``merge``: ``make_paged_decode_split_merge``); ``body`` reads them by
+    name: the sizes ``B`` and ``NSPLIT`` (1 without split), the buffers ``q`` ... ``kv_window``, ``o`` /
+    ``lse`` (``o_part`` / ``lse_part``; with ``merge`` both, and ``counter``), the scalars ``sm_scale``,
+    ``rope_scale``, ``rope_theta`` (and ``kv_chunk``). ``local`` (without ``split``):
+    ``paged_decode_local``, plus the trailing ``layer_window`` (int32). ``append``:
+    ``paged_decode_append`` (with ``split`` and ``merge``: ``paged_decode_append_split``), whose ``q``
+    is the fused ``[B, H_qo + 2 H_kv, D]`` qkv and which takes the new tokens' ``slots`` after
+    ``kv_window``.
     """
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     attrs = func_attrs(spec)
     if split and local:
         raise ValueError("paged_decode_split has no local-window variant (local layers are not split)")
     lw = _layer_window_var(local)
+    if append:
+        return _decode_append_func(spec, body, split=split and merge)
+    if merge:
+        if not split:
+            raise ValueError("merge=True is the split decode with its merge; pass split=True")
+
+        @T.prim_func
+        def paged_decode_split_merge(
+            var_q: T.handle,
+            var_q_pos: T.handle,
+            var_pages: T.handle,
+            var_page_indptr: T.handle,
+            var_page_indices: T.handle,
+            var_last_page_len: T.handle,
+            var_kv_window: T.handle,
+            var_o_part: T.handle,
+            var_lse_part: T.handle,
+            var_counter: T.handle,
+            var_o: T.handle,
+            var_lse: T.handle,
+            sm_scale: T.float32,
+            rope_scale: T.float32,
+            rope_theta: T.float32,
+            kv_chunk: T.int32,
+        ):
+            T.func_attr(attrs)
+            B = T.int32()
+            NSPLIT = T.int32()
+            num_pages = T.int32()
+            nnz = T.int32()
+            ncount = T.int32()
+            q = T.match_buffer(var_q, (B, H_qo, D), dtype)
+            q_pos = T.match_buffer(var_q_pos, (B,), "int32")
+            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
+            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
+            last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
+            kv_window = T.match_buffer(var_kv_window, (B, 3), "int32")
+            o_part = T.match_buffer(var_o_part, (NSPLIT, B, H_qo, D), "float32")
+            lse_part = T.match_buffer(var_lse_part, (NSPLIT, B, H_qo), "float32")
+            counter = T.match_buffer(var_counter, (ncount,), "int32")
+            o = T.match_buffer(var_o, (B, H_qo, D), dtype)
+            lse = T.match_buffer(var_lse, (B, H_qo), "float32")
+            assert NSPLIT <= MERGE_MAX_SPLITS, (
+                "paged_decode_split_merge merges at most 64 chunks; use paged_decode_split + merge_splits"
+            )
+            body()
+
+        return paged_decode_split_merge
     if split:
 
         @T.prim_func

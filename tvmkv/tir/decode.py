@@ -88,6 +88,65 @@ def make_paged_decode_split(spec: KernelSpec, *, sliding: bool = False, inline_r
     return _cpu_decode_split(spec, sliding=bool(sliding), rope=bool(inline_rope))
 
 
+def make_paged_decode_split_merge(spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False):
+    """``paged_decode_split`` and ``merge_splits`` in one launch: the last block to finish a
+    (sequence, kv head) merges that group's chunks (cuda, fast decode layout only; ``None`` elsewhere:
+    the runtime then launches the two kernels).
+
+    Parameters (of the returned PrimFunc, in order)
+    ----------
+    q, q_pos, pages, page_indptr, page_indices, last_page_len, kv_window, o_part, lse_part
+        As :func:`make_paged_decode_split` (``o_part`` / ``lse_part`` are the kernel's workspace).
+    counter : [n] int32, all zero before the launch and left all zero after it
+        One arrival count per block group (``n >= B * blocks_per_sequence`` of
+        :func:`tvmkv.tir.split_granule`); the merging block resets its entry.
+    o : [B, H_qo, D] cache dtype, written
+    lse : [B, H_qo] float32, written
+        As :func:`make_paged_decode` (what ``merge_splits`` of the partial states writes).
+    sm_scale, rope_scale, rope_theta, kv_chunk
+        As :func:`make_paged_decode_split`.
+    """
+    if spec.target_kind != "cuda":
+        return None
+    from .decode_cuda import make_paged_decode_cuda
+
+    return make_paged_decode_cuda(spec, sliding=sliding, inline_rope=inline_rope, split=True, merge=True)
+
+
+def make_paged_decode_append(
+    spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False, rotate: bool = False, split: bool = False
+):
+    """A decode step's whole layer in one launch: ``split_rope_append`` folded into ``paged_decode``
+    (``split``: into ``paged_decode_split_merge``). cuda with the fast decode layout only; ``None``
+    elsewhere (the runtime then launches ``split_rope_append`` and the attention kernel).
+
+    One block per (sequence, kv head) stores the new token's k (rotated by its position when
+    ``rotate``: rope mode "normal", as ``split_rope`` does) and v at its slot; every block reads q and
+    that new key from ``qkv`` rather than from the pages, so no block waits for the store.
+
+    Parameters (of the returned PrimFunc, in order)
+    ----------
+    qkv : [B, H_qo + 2 H_kv, D] cache dtype
+        The step's fused q, k, v (docs/layout.md, "Fused qkv"), one token per sequence.
+    q_pos, pages, page_indptr, page_indices, last_page_len, kv_window
+        As :func:`make_paged_decode`; the page tables already hold the new token (its slot is the
+        sequence's last).
+    slots : [B] int32
+        The new token's slot (``page * P + offset``; negative: not stored).
+    o_part, lse_part, counter (``split`` only)
+        As :func:`make_paged_decode_split_merge`.
+    o, lse, sm_scale, rope_scale, rope_theta, kv_chunk (``split`` only)
+        As :func:`make_paged_decode` / :func:`make_paged_decode_split`.
+    """
+    if spec.target_kind != "cuda":
+        return None
+    from .decode_cuda import make_paged_decode_cuda
+
+    return make_paged_decode_cuda(
+        spec, sliding=sliding, inline_rope=inline_rope, split=split, merge=split, append=True, rotate=rotate
+    )
+
+
 def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
     H_kv, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     group = spec.group

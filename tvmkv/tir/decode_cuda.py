@@ -43,18 +43,19 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
-from .decode_layout import DEFAULT_WARPS, LOAD_BYTES, REG_FLOATS, WARP, decode_layout, elem_bytes
+from .decode_layout import DEFAULT_WARPS, LOAD_BYTES, MERGE_MAX_SPLITS, REG_FLOATS, WARP, decode_layout, elem_bytes
 from .spec import KernelSpec
 
 DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
 STAGE_BYTES = 96 * 1024  # cap on the staging ring per block
 CP16 = "cp.async.cg.shared.global"
+MERGE_UNROLL = 4  # o_part loads of the in-kernel merge issued together
 
 # Named slots (see _kernel_common.slots). DSEQ, the block's sequence: its first page entry
 # (page_base), the end of the visited keys it scans, the sink keys visited first (n1), the first
 # window slot (start2), sink_end (sink), the window's position offset and the first visited key it
-# scans (x0; the chunk's when split)
-DSEQ = slots("page_base", "end", "n1", "start2", "sink", "offset", "x0")
+# scans (x0; the chunk's when split), and the last visited key of the sequence (the new token's)
+DSEQ = slots("page_base", "end", "n1", "start2", "sink", "offset", "x0", "last")
 # st: SCRATCH float32 registers, named per phase: rotating a key (ROTATE), the online softmax of a
 # tile (TILE: new max, the finite base it subtracts, rescale of the old state, a key's probability),
 # merging lane groups (MERGE: ... the other group's rescale) and warps (FINAL: max, base, sum, weight)
@@ -80,6 +81,9 @@ def make_paged_decode_cuda(
     load_bytes: int = LOAD_BYTES,
     stages: int = DEFAULT_STAGES,
     split: bool = False,
+    merge: bool = False,
+    append: bool = False,
+    rotate: bool = False,
 ):
     """The CUDA ``paged_decode`` PrimFunc (same signature as ``decode.make_paged_decode``), or with
     ``split`` the ``paged_decode_split`` one (``decode.make_paged_decode_split``; ``None`` for shapes
@@ -87,7 +91,12 @@ def make_paged_decode_cuda(
 
     ``num_warps`` (warps per block) and ``unroll`` (keys per lane group per tile) are tuning knobs;
     the defaults are what the runtime uses. ``double_buffer`` (experimental) issues tile t+1's
-    K/V loads into a second register buffer before computing tile t.
+    K/V loads into a second register buffer before computing tile t. ``merge`` (with ``split``): the
+    ``paged_decode_split_merge`` PrimFunc (``decode.make_paged_decode_split_merge``), whose last block
+    of each (sequence, kv head, query-head slice) merges the chunks' partial states. ``append``: the
+    ``paged_decode_append`` PrimFunc (``decode.make_paged_decode_append``; with ``split`` and ``merge``
+    its split form), which reads q, k and v from the fused ``qkv`` and appends the new K/V itself
+    (``rotate``: rope mode "normal", q and the new k rotated here as ``split_rope`` would).
     """
     lay = decode_layout(spec, num_warps, unroll, max_tpk, reg_floats, load_bytes)
     if lay is None:
@@ -104,12 +113,17 @@ def make_paged_decode_cuda(
     NT = NW * WARP
     KB = NW * KPW * U  # keys per block per tile
     split = bool(split)
+    merge = bool(merge) and split
+    append, rotate = bool(append), bool(rotate) and bool(append)
+    if append and split and not merge:
+        raise ValueError("the append-fused split decode merges its chunks itself: pass merge=True")
     HALF = D // 2
     HT = TPK // 2  # xor distance of the rotate-half partner lane
     LOGP = P.bit_length() - 1
     PMASK = P - 1
     NOUT = (GQ * D + NT - 1) // NT
     rope = bool(inline_rope)
+    rot_q = rope or rotate  # q rotated at load (inline RoPE, or rope mode "normal" when fused with the append)
     sliding = bool(sliding)
     NB = 2 if double_buffer else 1
     # cp.async staging: each lane copies its own 16-byte chunks into its own slots of a ring of NS
@@ -268,6 +282,104 @@ def make_paged_decode_cuda(
             if d == 0:
                 lse[b, h] = lse_value
 
+    def new_k(q, b, hk, d, angle):
+        # element d of sequence b's new key (kv head hk) as the pages store it: rotated by its position
+        # in rope mode "normal" (float32, as split_rope), raw otherwise
+        if rotate:
+            return T.Cast(
+                dtype,
+                T.Cast("float32", q[b, H_qo + hk, d]) * T.cos(angle)
+                + T.if_then_else(
+                    d < HALF,
+                    T.float32(0) - T.Cast("float32", q[b, H_qo + hk, d + HALF]),
+                    T.Cast("float32", q[b, H_qo + hk, d - HALF]),
+                )
+                * T.sin(angle),
+            )
+        return q[b, H_qo + hk, d]
+
+    @macro
+    def put_new_kv(b, hk, tx):
+        # the new token's k and v into its slot (skipped where the slot is negative), one element a thread
+        if new_slots[b] >= 0:
+            for r in T.unroll(-(-D // NT)):
+                if r * NT + tx < D:
+                    pages[new_slots[b] // P, 0, hk, new_slots[b] % P, r * NT + tx] = new_k(
+                        q,
+                        b,
+                        hk,
+                        r * NT + tx,
+                        T.Cast("float32", q_pos[b]) * rope_inv_freq(rope_scale, rope_theta, (r * NT + tx) % HALF, D),
+                    )
+                    pages[new_slots[b] // P, 1, hk, new_slots[b] % P, r * NT + tx] = q[b, H_qo + H_kv + hk, r * NT + tx]
+
+    @macro
+    def take_new_kv(th, b, buf, t):
+        # the new token's key is read from qkv, not from the pages another block may still be writing;
+        # so are the loads past the end clamped to it (masked, but their V must not be NaN or inf)
+        for u in T.unroll(U):
+            if xc(t, u, th.w, th.sub, th.seq) == th.seq[DSEQ.last]:
+                for e in T.unroll(E):
+                    th.kb[buf, u, e] = new_k(q, b, th.hk, th.lt * E + e, T.Cast("float32", q_pos[b]) * th.fr[e])
+                    th.vb[buf, u, e] = q[b, H_qo + H_kv + th.hk, th.lt * E + e]
+
+    @macro
+    def merge_chunks(grp, b, h0, tx, st, acc):
+        # the last block of group grp (its NSPLIT chunks) to arrive merges them: every thread fences its
+        # partial-state stores at device scope, then (after a barrier) thread 0 counts the block's
+        # arrival and fences again (the other blocks' states, fenced before their counts, are read
+        # after it), and the block learns whether it was last
+        Lw = T.alloc_buffer((GQ, MERGE_MAX_SPLITS), "float32", scope="shared")  # the chunks' lse per head
+        arrived = T.alloc_buffer((1,), "int32", scope="local")
+        T.cuda.thread_fence()
+        T.tvm_storage_sync("shared")
+        arrived[0] = 0
+        if tx == 0:
+            arrived[0] = T.cuda.atomic_add(counter.ptr_to([grp]), T.int32(1))
+            T.cuda.thread_fence()
+        if T.cuda.syncthreads_or(T.Cast("int32", tx == 0 and arrived[0] == NSPLIT - 1)) != 0:
+            # the other blocks' partial states are read through L2 (ld.global.cg): this SM's L1 may
+            # hold stale lines of lse_part shared with groups merged here earlier. The lse of every
+            # (head, chunk) is staged in shared memory by one load per thread, all in flight at once.
+            for r in T.unroll(-(-GQ * MERGE_MAX_SPLITS // NT)):
+                if r * NT + tx < GQ * NSPLIT:
+                    Lw[(r * NT + tx) // NSPLIT, (r * NT + tx) % NSPLIT] = T.call_extern(
+                        "float32",
+                        "__ldcg",
+                        lse_part.ptr_to([(r * NT + tx) % NSPLIT, b, h0 + (r * NT + tx) // NSPLIT]),
+                    )
+            T.tvm_storage_sync("shared")
+            for r in T.unroll(NOUT):
+                if r * NT + tx < GQ * D:
+                    st[FINAL.m] = T.float32(neg_inf)
+                    for c in T.serial(NSPLIT):
+                        st[FINAL.m] = T.max(st[FINAL.m], Lw[(r * NT + tx) // D, c])
+                    st[FINAL.base] = T.if_then_else(st[FINAL.m] == T.float32(neg_inf), T.float32(0), st[FINAL.m])
+                    st[FINAL.l_sum] = T.float32(0)
+                    acc[0] = T.float32(0)
+                    for c4 in T.serial((NSPLIT + MERGE_UNROLL - 1) // MERGE_UNROLL):
+                        for u in T.unroll(MERGE_UNROLL):  # independent o_part loads, issued together
+                            if c4 * MERGE_UNROLL + u < NSPLIT:
+                                st[FINAL.w] = T.exp2(Lw[(r * NT + tx) // D, c4 * MERGE_UNROLL + u] - st[FINAL.base])
+                                st[FINAL.l_sum] = st[FINAL.l_sum] + st[FINAL.w]
+                                acc[0] = acc[0] + st[FINAL.w] * T.call_extern(
+                                    "float32",
+                                    "__ldcg",
+                                    o_part.ptr_to(
+                                        [c4 * MERGE_UNROLL + u, b, h0 + (r * NT + tx) // D, (r * NT + tx) % D]
+                                    ),
+                                )
+                    if st[FINAL.l_sum] == T.float32(0):
+                        o[b, h0 + (r * NT + tx) // D, (r * NT + tx) % D] = T.Cast(dtype, T.float32(0))
+                        if (r * NT + tx) % D == 0:
+                            lse[b, h0 + (r * NT + tx) // D] = T.float32(neg_inf)
+                    else:
+                        o[b, h0 + (r * NT + tx) // D, (r * NT + tx) % D] = T.Cast(dtype, acc[0] / st[FINAL.l_sum])
+                        if (r * NT + tx) % D == 0:
+                            lse[b, h0 + (r * NT + tx) // D] = st[FINAL.base] + T.log2(st[FINAL.l_sum])
+            if tx == 0:
+                counter[grp] = 0  # ready for the next launch (a CUDA graph replays it as it is)
+
     @macro
     def body():
         # block bx = (sequence b, kv head hk, query-head slice, chunk ch): ch fastest, so the chunks of
@@ -342,12 +454,16 @@ def make_paged_decode_cuda(
             seq[DSEQ.start2] = seq[DSEQ.end]
             seq[DSEQ.sink] = 0
             seq[DSEQ.offset] = 0
+        seq[DSEQ.last] = seq[DSEQ.end] - 1  # the new token's key, the last visited one
         if split:  # this block's chunk of the visited keys: [x0, end)
             seq[DSEQ.x0] = ch * kv_chunk
             seq[DSEQ.end] = T.min(seq[DSEQ.end], seq[DSEQ.x0] + kv_chunk)
+        if append:
+            if bx // NSPLIT % NGB == 0 and ch == 0:  # one block per (sequence, kv head) stores the new K/V
+                put_new_kv(b, hk, tx)
 
         # ---- q (pre-scaled, rotated once) and the running state
-        if rope:
+        if rot_q:
             for e in T.unroll(E):
                 fr[e] = rope_inv_freq(rope_scale, rope_theta, (lt * E + e) % HALF, D)
         for g in T.unroll(GQ):
@@ -355,7 +471,7 @@ def make_paged_decode_cuda(
             l_sum[g] = T.float32(0)
             for e in T.unroll(E):
                 O[g, e] = T.float32(0)
-                if rope:
+                if rot_q:
                     if lt < HT:
                         Qr[g, e] = (
                             T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
@@ -382,6 +498,8 @@ def make_paged_decode_cuda(
                 issue_tile(th, t + NS - 1, (t + NS - 1) % NS)
                 T.ptx["cp.async.wait_group"](NS - 1)
                 read_stage(th, t % NS)
+                if append:
+                    take_new_kv(th, b, 0, t)
                 compute_tile(th, 0, t)
             T.ptx["cp.async.wait_group"](0)
         else:
@@ -397,6 +515,8 @@ def make_paged_decode_cuda(
                         load_tile(th, 1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
                     else:
                         load_tile(th, 0, t2)
+                    if append:
+                        take_new_kv(th, b, par, t2 * NB + par)
                     compute_tile(th, par, t2 * NB + par)
 
         # ---- merge the lane groups of a warp (xor shuffles), then the warps (shared memory)
@@ -447,5 +567,7 @@ def make_paged_decode_cuda(
                         acc[0] / st[FINAL.l_sum],
                         st[FINAL.m] + T.log2(st[FINAL.l_sum]),
                     )
+        if merge:
+            merge_chunks(bx // NSPLIT, b, h0, tx, st, acc)
 
-    return decode_func(spec, body, split=split)
+    return decode_func(spec, body, split=split, merge=merge, append=append)

@@ -14,6 +14,8 @@ REG_FLOATS = 32  # per-lane q (and O) floats: GQ * E <= REG_FLOATS
 LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * elem_bytes ~ LOAD_BYTES
 SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
 
+MERGE_MAX_SPLITS = 64  # most chunks paged_decode_split_merge merges in-kernel (more: split + merge_splits)
+
 
 def elem_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
