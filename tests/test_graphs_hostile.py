@@ -480,7 +480,9 @@ def test_prefill_graphs_with_equal_token_counts(tape):
         graphs()
         for layer in range(LAYERS):
             want, _ = model.attention(layer, qkv[layer])
-            np.testing.assert_allclose(out_t[layer].numpy(), want, rtol=RTOL, atol=ATOL, err_msg=f"{seq_ids} {lengths} {layer}")
+            np.testing.assert_allclose(
+                out_t[layer].numpy(), want, rtol=RTOL, atol=ATOL, err_msg=f"{seq_ids} {lengths} {layer}"
+            )
         cache.end_forward()
         model.end()
     assert not graphs.mismatches
@@ -551,7 +553,9 @@ def test_cross_attention_over_history_in_a_graphed_decode_step(tape):
             model.attention(layer, qkv[layer])
             for row, (_, k, v) in enumerate(history):
                 want_o, want_lse = _attend(q[row], k[layer], v[layer])
-                np.testing.assert_allclose(hist_o[layer].numpy()[row], want_o, rtol=RTOL, atol=ATOL, err_msg=f"replayed={replayed}")
+                np.testing.assert_allclose(
+                    hist_o[layer].numpy()[row], want_o, rtol=RTOL, atol=ATOL, err_msg=f"replayed={replayed}"
+                )
                 np.testing.assert_allclose(hist_lse[layer].numpy()[row], want_lse, rtol=RTOL, atol=ATOL)
         cache.end_forward()
         model.end()
@@ -602,7 +606,9 @@ def test_token_tree_graphs_with_equal_token_counts(tape):
         graphs()
         for layer in range(LAYERS):
             want, _ = model.attention(layer, qkv[layer])
-            np.testing.assert_allclose(out_t[layer].numpy(), want, rtol=RTOL, atol=ATOL, err_msg=f"{parents} layer {layer}")
+            np.testing.assert_allclose(
+                out_t[layer].numpy(), want, rtol=RTOL, atol=ATOL, err_msg=f"{parents} layer {layer}"
+            )
         cache.end_forward()
         model.end()
         cache.commit_accepted_token_tree_nodes([0, 1], leaves)
@@ -736,7 +742,9 @@ def test_every_forward_of_a_swapping_scheduler_graphed(tape):
         graphs()
         for layer in range(LAYERS):
             want, _ = model.attention(layer, qkv[layer])
-            np.testing.assert_allclose(out_t[layer].numpy(), want, rtol=RTOL, atol=ATOL, err_msg=f"{plan.parts} layer {layer}")
+            np.testing.assert_allclose(
+                out_t[layer].numpy(), want, rtol=RTOL, atol=ATOL, err_msg=f"{plan.parts} layer {layer}"
+            )
         cache.end_forward()
         model.end()
         done = []
