@@ -99,7 +99,7 @@ class _Driver:
         import tvm
 
         self.cache = make_cache("llvm", num_layers=LAYERS, **options)
-        self.model = CacheModel(LAYERS, HQ, HKV, D)
+        self.model = CacheModel(LAYERS, HQ, HKV, D, rope_mode=options.get("rope_mode", "none"))
         self.rng = np.random.default_rng(seed)
         self.B = batch
         self.unchecked: set = set()  # layers whose eager outputs the model cannot check
@@ -275,9 +275,10 @@ def test_step_graphs_captures_once_per_key_replays_and_evicts(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stable", [True, False])
-def test_replay_across_swap_fork_pop_readd(tape, stable):
+@pytest.mark.parametrize("stable,compare", [(True, True), (False, True), (True, False)])
+def test_replay_across_swap_fork_pop_readd(tape, stable, compare):
     d = _Driver(tape, 3, seed=1, decode_splits=4, stable_decode_splits=stable)
+    d.graphs.compare = compare  # False: a replay runs no Python of the step, as a CUDA graph's
     for sid, n in ((0, 20), (1, 33), (2, 47)):
         d.add(sid, n)
     batch = [0, 1, 2]
@@ -310,8 +311,10 @@ def test_replay_across_swap_fork_pop_readd(tape, stable):
     d.done(min_replays=6)
 
 
-def test_replay_with_sliding_windows_and_sinks(tape):
-    d = _Driver(tape, 3, seed=2, sliding=True, decode_splits=4, stable_decode_splits=True)
+@pytest.mark.parametrize("rope_mode", ["none", "inline"])
+def test_replay_with_sliding_windows_and_sinks(tape, rope_mode):
+    """Windows that slide (positions of kept tokens renumbered: with inline RoPE the keys rotate anew)."""
+    d = _Driver(tape, 3, seed=2, sliding=True, decode_splits=4, stable_decode_splits=True, rope_mode=rope_mode)
     for sid, n in ((0, 30), (1, 12), (2, 50)):
         d.add(sid, n)
     d.window(0, 24, 4)  # slides now and after every step
