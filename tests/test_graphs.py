@@ -235,3 +235,22 @@ def test_cuda_graphs_replay_across_changing_page_tables():
     # long enough that the batch of 3 splits on the GPU (the split is part of what a replay reuses)
     replays = _run_scenario(cache, model, np.random.default_rng(3), replay_step, steps=20, lengths=(900, 1100, 1300))
     assert replays >= 12, (replays, graphs.captures)
+
+
+def test_attended_layers_and_mark_attended_validate_first():
+    cache = make_cache("llvm", num_layers=LAYERS)
+    with pytest.raises(ForwardStateError, match="attended_layers"):
+        cache.attended_layers()
+    cache.add_sequence(0)
+    cache.begin_forward([0], [3])
+    assert cache.attended_layers() == ()
+    cache.attention_with_fused_qkv(1, np.zeros((3, HQ + 2 * HKV, 64), np.float32))
+    assert cache.attended_layers() == (1,)
+    with pytest.raises(ValueError, match="out of range"):
+        cache.mark_attended([0, LAYERS])  # one bad id: nothing is marked
+    assert cache.attended_layers() == (1,)
+    cache.mark_attended([0])
+    assert cache.attended_layers() == (0, 1)
+    cache.end_forward()
+    with pytest.raises(ForwardStateError, match="mark_attended"):
+        cache.mark_attended([0])

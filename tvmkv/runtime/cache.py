@@ -50,6 +50,13 @@ def available_bytes(device) -> int:
     return int(free)
 
 
+_HISTORY_UPLOAD = (
+    "an attention over the history alone (cross_attention with include_new=False, or MLA's / a sliding-window "
+    "cache's cross attention) uploads this forward's history page tables from Python, which a replay would "
+    "not do again; capture steps without it, or run them eagerly"
+)
+
+
 class PagedAttentionKVCache:
     """A paged KV cache for ``num_layers`` attention layers (layout: docs/layout.md).
 
@@ -268,6 +275,7 @@ class PagedAttentionKVCache:
         self._fwd: Forward | None = None
         self._step = 0  # forwards begun so far
         self._ran = [-1] * cfg.num_layers  # per layer: the last forward (self._step) its attention ran in
+        self._uncapturable: tuple = (-1, "")  # (forward, why): a call of it uploaded what a replay would not
         self._repeat: RepeatDecode | None = None
         self._repeated = False  # whether the open forward was planned by RepeatDecode
         self._history: tuple | None = None  # (step, device page tables of the keys before it): cross_attention
@@ -944,6 +952,7 @@ class PagedAttentionKVCache:
             seqs = [self._table.get(s) for s in fwd.seq_ids]
             tables = history_tables(seqs, fwd.lengths, self.config.page_size)
             self._history = (self._step, tuple(tvm.runtime.tensor(a, self.device) for a in tables))
+        self._uncapturable = (self._step, _HISTORY_UPLOAD)  # a replay would not upload them again
         return self._history[1]
 
     def _deliver(self, o_dev, out, kind: str):
@@ -1182,11 +1191,31 @@ class PagedAttentionKVCache:
         this forward's attention calls, captured in one forward, replays correctly in any later forward
         with an equal key (same kernels and launch parameters, index arrays uploaded to the same device
         memory), whatever its sequences, lengths and page tables. :class:`tvmkv.runtime.graphs.StepGraphs`
-        keeps one graph per key."""
+        keeps one graph per key. ValueError once a call of the forward has used device memory a replay would
+        not refresh (the history page tables of ``cross_attention(include_new=False)``)."""
         fwd = self._fwd
         if fwd is None:
             raise ForwardStateError("graph_key called outside begin_forward/end_forward")
+        step, why = self._uncapturable
+        if step == self._step:
+            raise ValueError(f"this forward cannot be captured in a CUDA graph: {why}")
         return graph_key(fwd)
+
+    def attended_layers(self) -> tuple:
+        """The layers whose ``attention_with_fused_qkv`` (or ``append_mla_kv``) ran in the open forward:
+        their pages hold this forward's tokens, which ``attention_with_shared_kv`` and
+        ``cross_attention(include_new=True)`` require."""
+        self._open_forward("attended_layers")
+        return tuple(layer for layer, step in enumerate(self._ran) if step == self._step)
+
+    def mark_attended(self, layers) -> None:
+        """Record that ``layers``' K/V were appended in the open forward by launches the cache did not
+        make from Python: a replayed CUDA graph of this forward's attention calls
+        (:class:`tvmkv.runtime.graphs.StepGraphs` calls it after each replay)."""
+        self._open_forward("mark_attended")
+        checked = [self._layer(layer) for layer in layers]  # every id validated before any is marked
+        for layer in checked:
+            self._ran[layer] = self._step
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless every part agrees: each page's ref count equals the page lists

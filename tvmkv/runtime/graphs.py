@@ -66,16 +66,21 @@ class StepGraphs:
     def __call__(self) -> None:
         """Run ``step`` for the open forward: replay the graph of its key, or run ``step`` eagerly (the
         forward's results) and capture it for later forwards of that key. Raises ForwardStateError
-        outside a forward."""
-        key = self.cache.graph_key()
-        graph = self._graphs.get(key)
-        if graph is not None:
+        outside a forward, and ValueError (before capturing) for a step whose calls read device memory
+        that a replay would not refresh (see ``PagedAttentionKVCache.graph_key``)."""
+        cache = self.cache
+        key = cache.graph_key()
+        entry = self._graphs.get(key)
+        if entry is not None:
             self._graphs.move_to_end(key)
+            graph, layers = entry
             graph.replay()
+            cache.mark_attended(layers)  # the replay appended these layers' K/V, as the step's calls would
             self.replays += 1
             return
         self.step()  # this forward's results; also loads every kernel module before capture
-        self._graphs[key] = self._capture()
+        cache.graph_key()  # ValueError where a call of the step used memory outside the key (named there)
+        self._graphs[key] = (self._capture(), cache.attended_layers())
         self.captures += 1
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
