@@ -1,7 +1,8 @@
 """CUDA graphs of a forward's attention calls, replayed across steps whose page tables change.
 
-A decode step of an L-layer model launches two or three kernels per layer through Python; captured
-once into a CUDA graph, the whole step replays with one launch. What a replay may and may not change
+A decode step of an L-layer model launches a kernel (or two or three, where the library lacks the
+one-launch decode) per layer through Python; captured once into a CUDA graph, the whole step replays
+with one launch. What a replay may and may not change
 is docs/cuda_graphs.md's subject; in short, every kernel of a forward reads its page tables, positions
 and slots from the index arrays ``begin_forward`` uploads, so a graph captured in one forward is
 correct in any later forward whose :meth:`~tvmkv.PagedAttentionKVCache.graph_key` is equal (same
@@ -37,7 +38,8 @@ class StepGraphs:
         ``step()`` makes the forward's calls (``attention_with_fused_qkv`` per layer, and any torch work
         around them) on tensors whose addresses do not change between calls (qkv, outputs: the
         "static" tensors of torch's CUDA-graph rules), 64-byte aligned as torch allocates them, with the
-        same ``sm_scale`` each time.
+        same ``sm_scale`` each time. Tensors the step itself allocates live in the graphs' shared pool:
+        do not keep them past the step (another graph's replay may reuse their memory).
     max_graphs : int
         Graphs kept (least recently used dropped first).
     pool : optional
