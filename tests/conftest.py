@@ -44,3 +44,31 @@ def to_dev(array: np.ndarray, target_kind: str):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+class Tape:
+    """Kernel calls, recorded instead of run while ``calls`` is a list of ``(function, args)``: what a
+    CUDA graph keeps of a step, so llvm tests can replay a "graph" by re-running the calls."""
+
+    def __init__(self):
+        self.calls: list | None = None
+
+    def wrap(self, f):
+        def call(*args):
+            if self.calls is None:
+                return f(*args)
+            self.calls.append((f, args))
+            return None
+
+        return call
+
+
+@pytest.fixture
+def tape(monkeypatch) -> Tape:
+    """A :class:`Tape` every kernel looked up from a kernel library goes through (for the test's life)."""
+    from tvmkv.build import KernelLibrary
+
+    t = Tape()
+    get = KernelLibrary.__getitem__
+    monkeypatch.setattr(KernelLibrary, "__getitem__", lambda lib, name: t.wrap(get(lib, name)))
+    return t

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from conftest import HAS_GPU
 
-from tvmkv.build import KernelLibrary
 from tvmkv.errors import ForwardStateError
 from tvmkv.reference.cache_model import CacheModel
 from tvmkv.runtime.decode_split import plan_split
@@ -103,22 +102,6 @@ def test_graph_key_follows_slot_batch_and_split():
 # ------------------------------------------------------------------------------------------------
 
 
-class _Tape:
-    """Kernel calls, recorded instead of run while ``calls`` is a list."""
-
-    def __init__(self):
-        self.calls: list | None = None
-
-    def wrap(self, f):
-        def call(*args):
-            if self.calls is None:
-                return f(*args)
-            self.calls.append((f, args))
-            return None
-
-        return call
-
-
 def _churn(cache, model, step: int, batch: list, next_id: list) -> None:
     """Between decode steps: sequences leave, arrive by fork (a shared partial page: copy-on-write) and
     roll back, keeping the batch size."""
@@ -167,10 +150,7 @@ def _run_scenario(cache, model, rng, replay_step, steps=14, lengths=(14, 31, 45)
     return replays
 
 
-def test_recorded_launches_replay_across_changing_page_tables(monkeypatch):
-    tape = _Tape()
-    get = KernelLibrary.__getitem__
-    monkeypatch.setattr(KernelLibrary, "__getitem__", lambda lib, name: tape.wrap(get(lib, name)))
+def test_recorded_launches_replay_across_changing_page_tables(tape):
     import tvm
 
     cache = make_cache("llvm", num_layers=LAYERS, decode_splits=4, stable_decode_splits=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tvmkv.build import KernelLibrary
 from tvmkv.errors import ForwardStateError
 from tvmkv.reference.cache_model import CacheModel
 from tvmkv.testing import make_cache
@@ -23,28 +22,19 @@ LAYERS, HQ, HKV, D = 2, 8, 2, 64
 RTOL = ATOL = 2e-2
 
 
-class _Tape:
-    """Kernel calls, recorded instead of run while ``calls`` is a list (``(function, args)``)."""
+def _static_layers(cache, rows: int):
+    """Per-layer static qkv / out tensors of ``rows`` tokens (a CUDA graph's fixed inputs and outputs),
+    and the step that runs every layer's attention on them."""
+    import tvm
 
-    def __init__(self):
-        self.calls: list | None = None
+    qkv_t = [tvm.runtime.empty((rows, HQ + 2 * HKV, D), "float32", cache.device) for _ in range(LAYERS)]
+    out_t = [tvm.runtime.empty((rows, HQ, D), "float32", cache.device) for _ in range(LAYERS)]
 
-    def wrap(self, f):
-        def call(*args):
-            if self.calls is None:
-                return f(*args)
-            self.calls.append((f, args))
-            return None
+    def step():
+        for layer in range(LAYERS):
+            cache.attention_with_fused_qkv(layer, qkv_t[layer], out=out_t[layer])
 
-        return call
-
-
-@pytest.fixture
-def tape(monkeypatch):
-    t = _Tape()
-    get = KernelLibrary.__getitem__
-    monkeypatch.setattr(KernelLibrary, "__getitem__", lambda lib, name: t.wrap(get(lib, name)))
-    return t
+    return qkv_t, out_t, step
 
 
 def _arg(a):
@@ -61,7 +51,7 @@ def _launches(calls: list) -> list:
 class _Graphs:
     """Emulated CUDA graphs of ``step`` keyed by ``cache.graph_key()`` (the tape must be installed)."""
 
-    def __init__(self, cache, tape: _Tape, step):
+    def __init__(self, cache, tape, step):
         self.cache, self.tape, self.step = cache, tape, step
         self.recorded: dict = {}
         self.replays = self.captures = 0
@@ -101,21 +91,13 @@ class _Driver:
     """A cache, its NumPy model, and decode steps of ``batch`` rows run through emulated graphs."""
 
     def __init__(self, tape, batch: int, seed: int = 0, **options):
-        import tvm
-
         self.cache = make_cache("llvm", num_layers=LAYERS, **options)
         self.model = CacheModel(LAYERS, HQ, HKV, D, rope_mode=options.get("rope_mode", "none"))
         self.rng = np.random.default_rng(seed)
         self.B = batch
         self.unchecked: set = set()  # layers whose eager outputs the model cannot check
-        dev = self.cache.device
-        self.qkv_t = [tvm.runtime.empty((batch, HQ + 2 * HKV, D), "float32", dev) for _ in range(LAYERS)]
-        self.out_t = [tvm.runtime.empty((batch, HQ, D), "float32", dev) for _ in range(LAYERS)]
-        self.graphs = _Graphs(self.cache, tape, self._step)
-
-    def _step(self):
-        for layer in range(LAYERS):
-            self.cache.attention_with_fused_qkv(layer, self.qkv_t[layer], out=self.out_t[layer])
+        self.qkv_t, self.out_t, step = _static_layers(self.cache, batch)
+        self.graphs = _Graphs(self.cache, tape, step)
 
     # sequence operations on both the cache and the model
     def add(self, sid, n: int, chunk: int = 64):
@@ -466,19 +448,12 @@ def test_replay_with_per_layer_windows(tape):
 def test_prefill_graphs_with_equal_token_counts(tape):
     """Prefill forwards of 8 tokens over two sequences, cut differently: equal keys must mean a replay
     computes each forward's own attention."""
-    import tvm
 
     cache = make_cache("llvm", num_layers=LAYERS)
     model = CacheModel(LAYERS, HQ, HKV, D)
     rng = np.random.default_rng(8)
     T = 8
-    qkv_t = [tvm.runtime.empty((T, HQ + 2 * HKV, D), "float32", cache.device) for _ in range(LAYERS)]
-    out_t = [tvm.runtime.empty((T, HQ, D), "float32", cache.device) for _ in range(LAYERS)]
-
-    def step():
-        for layer in range(LAYERS):
-            cache.attention_with_fused_qkv(layer, qkv_t[layer], out=out_t[layer])
-
+    qkv_t, out_t, step = _static_layers(cache, T)
     graphs = _Graphs(cache, tape, step)
     for sid, n in ((0, 5), (1, 21), (2, 1), (3, 40)):
         cache.add_sequence(sid)
@@ -584,19 +559,12 @@ def test_cross_attention_over_history_in_a_graphed_decode_step(tape):
 def test_token_tree_graphs_with_equal_token_counts(tape):
     """Token-tree forwards of 6 nodes over two sequences, trees of different shapes, each committed
     after its forward: a replay must use this forward's tree."""
-    import tvm
 
     cache = make_cache("llvm", num_layers=LAYERS)
     model = CacheModel(LAYERS, HQ, HKV, D)
     rng = np.random.default_rng(10)
     T = 6
-    qkv_t = [tvm.runtime.empty((T, HQ + 2 * HKV, D), "float32", cache.device) for _ in range(LAYERS)]
-    out_t = [tvm.runtime.empty((T, HQ, D), "float32", cache.device) for _ in range(LAYERS)]
-
-    def step():
-        for layer in range(LAYERS):
-            cache.attention_with_fused_qkv(layer, qkv_t[layer], out=out_t[layer])
-
+    qkv_t, out_t, step = _static_layers(cache, T)
     graphs = _Graphs(cache, tape, step)
     for sid, n in ((0, 14), (1, 31)):
         cache.add_sequence(sid)
@@ -705,7 +673,6 @@ def test_every_forward_of_a_swapping_scheduler_graphed(tape):
     """A scheduler's workload (chunked prefills mixed with decodes, swap preemption under a tight page
     pool, sequences finishing and arriving) with every forward, of any shape, run through graphs keyed
     by graph_key: static tensors per token count."""
-    import tvm
 
     from tvmkv.runtime.scheduler import Scheduler
 
@@ -717,18 +684,13 @@ def test_every_forward_of_a_swapping_scheduler_graphed(tape):
 
     def tensors(total):
         if total not in static:
-            static[total] = (
-                [tvm.runtime.empty((total, HQ + 2 * HKV, D), "float32", cache.device) for _ in range(LAYERS)],
-                [tvm.runtime.empty((total, HQ, D), "float32", cache.device) for _ in range(LAYERS)],
-            )
+            static[total] = _static_layers(cache, total)
         return static[total]
 
     total_now = [0]
 
     def step():
-        qkv_t, out_t = tensors(total_now[0])
-        for layer in range(LAYERS):
-            cache.attention_with_fused_qkv(layer, qkv_t[layer], out=out_t[layer])
+        tensors(total_now[0])[2]()
 
     graphs = _Graphs(cache, tape, step)
     budget = {sid: 20 + 4 * sid for sid in range(8)}  # tokens each request generates
@@ -750,7 +712,7 @@ def test_every_forward_of_a_swapping_scheduler_graphed(tape):
         cache.begin_forward(plan.seq_ids, plan.lengths)
         model.begin(plan.seq_ids, plan.lengths)
         qkv = rng.standard_normal((LAYERS, plan.num_tokens, HQ + 2 * HKV, D)).astype(np.float32)
-        qkv_t, out_t = tensors(plan.num_tokens)
+        qkv_t, out_t, _ = tensors(plan.num_tokens)
         for layer in range(LAYERS):
             qkv_t[layer].copyfrom(qkv[layer])
         graphs()
