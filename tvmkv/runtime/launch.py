@@ -193,20 +193,20 @@ class Launcher:
             fwd.shared = self.paged(fwd)
         return fwd.shared
 
-    def _single_launch(self, fwd: Forward, split: DecodeSplit, batch: int) -> tuple:
+    def _single_launch(self, fwd: Forward) -> tuple:
         """A decode layer as one launch (split + rotate + append + attention [+ merge]) where the library
         has it: ``(kernel, head, tail, trailing scalars)`` for
         ``kernel(qkv, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, *trailing)``; ``()``
-        otherwise (then ``split_rope_append`` and the attention kernels launch)."""
+        otherwise (then ``split_rope_append`` and the attention kernels launch). A split needs the
+        in-kernel merge (``fwd.counter``, bound by :meth:`bind`)."""
         lib, d = self.kernels, fwd.dev
         tail = (*_paged_tail(d)[:4], d["slots"])
-        if split.num_splits == 1:
+        if fwd.decode_split.num_splits == 1:
             return (lib["paged_decode_append"], (d["q_pos"],), tail, ()) if "paged_decode_append" in lib else ()
-        if "paged_decode_append_split" not in lib or split.num_splits > MERGE_MAX_SPLITS or self._counter is None:
+        if fwd.counter is None or "paged_decode_append_split" not in lib:
             return ()
-        o_part, lse_part = self._split_parts(split, batch)
-        tail += (o_part, lse_part, self._counter)
-        return lib["paged_decode_append_split"], (d["q_pos"],), tail, (split.kv_chunk,)
+        tail += (*fwd.parts, fwd.counter)
+        return lib["paged_decode_append_split"], (d["q_pos"],), tail, (fwd.decode_split.kv_chunk,)
 
     def bind(self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT) -> Forward:
         """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
@@ -256,7 +256,6 @@ class Launcher:
         if kernel == "paged_decode":
             fwd.attn_head = (s["q"], d["q_pos"])
             fwd.attn_tail = paged_tail[:4]
-            fwd.single = self._single_launch(fwd, decode_split, total)
             if decode_split.num_splits > 1:
                 fwd.decode_split = decode_split
                 fwd.parts = self._split_parts(decode_split, total)
@@ -267,6 +266,7 @@ class Launcher:
                 else:
                     fwd.kernels = (*fwd.kernels[:2], lib["paged_decode_split"])
                     fwd.merge = lib["merge_splits"]
+            fwd.single = self._single_launch(fwd)
         elif kernel == "ragged_prefill_causal":
             fwd.paged = False
             fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])
