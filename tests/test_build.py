@@ -28,7 +28,7 @@ except build.NvccNotFoundError:
     HAS_NVCC = False
 
 
-def _tiny_kernel_set(spec, *, rope_mode="none", sliding=False, local=False):
+def _tiny_kernel_set(spec, *, rope_mode="none", sliding=False, local=False, arch=None):
     """One real kernel, so cache tests compile in about a second."""
     from tvmkv.tir import page_ops
 

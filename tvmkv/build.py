@@ -551,7 +551,9 @@ def family_kernels(key: BuildKey) -> dict:
 
         return mla.kernel_set(key.spec)
     variant = {"rope_scaling": key.rope_scaling} if key.rope_scaling is not None else {}  # default: as before
-    return tir.kernel_set(key.spec, rope_mode=key.rope_mode, sliding=key.sliding, local=key.local, **variant)
+    return tir.kernel_set(
+        key.spec, rope_mode=key.rope_mode, sliding=key.sliding, local=key.local, arch=key.arch, **variant
+    )
 
 
 def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:

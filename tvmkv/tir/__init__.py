@@ -11,10 +11,11 @@ Modules:
 * ``_kernel_common``: the helpers every family shares (the macro decorator, named state slots,
   function attributes, the data-movement CUDA block shape, the RoPE frequency).
 * attention: ``attention`` (the signatures of paged prefill, ragged prefill, paged decode and its
-  split), ``attention_generic`` (the generic schedule, llvm and cuda), ``prefill_cuda`` and
-  ``decode_cuda`` (the fast CUDA schedules), ``prefill`` / ``ragged`` / ``decode`` (the factories,
-  which pick the schedule; ``decode`` also holds the llvm split decode), ``decode_layout`` (the
-  CUDA decode's static layout and :func:`split_granule`; no TVM import).
+  split), ``attention_generic`` (the generic schedule, llvm and cuda), ``prefill_cuda``,
+  ``prefill_hopper`` (sm_90: warpgroup MMA) and ``decode_cuda`` (the fast CUDA schedules),
+  ``prefill`` / ``ragged`` / ``decode`` (the factories, which pick the schedule, by target and arch;
+  ``decode`` also holds the llvm split decode), ``decode_layout`` (the CUDA decode's static layout
+  and :func:`split_granule`; no TVM import).
 * data movement: ``append``, ``rope`` (``split_rope``, ``rope_q``, ``split_rope_append`` = split_rope +
   append in one kernel; their RoPE variants are described
   by ``rope_scaling``'s :class:`RopeScaling`, plain Python), ``merge`` (``merge_state``,
@@ -37,7 +38,13 @@ ROPE_MODES = ("none", "normal", "inline")
 
 
 def kernel_set(
-    spec: KernelSpec, *, rope_mode: str = "none", sliding: bool = False, local: bool = False, rope_scaling=None
+    spec: KernelSpec,
+    *,
+    rope_mode: str = "none",
+    sliding: bool = False,
+    local: bool = False,
+    rope_scaling=None,
+    arch: str | None = None,
 ) -> dict:
     """Every kernel one cache configuration needs, by name (the names ``tvmkv.runtime`` calls).
 
@@ -48,7 +55,8 @@ def kernel_set(
     window"; each takes its base kernel's arguments plus a trailing int32 ``layer_window``).
     ``rope_scaling`` (a resolved :class:`tvmkv.tir.rope_scaling.RopeScaling`, with rope mode "normal"
     only; None: the default RoPE over the whole head) is the RoPE variant ``split_rope`` and
-    ``rope_q`` bake in.
+    ``rope_q`` bake in. ``arch`` (cuda only, e.g. "sm_90") lets the prefill kernels use the
+    instructions of that architecture (sm_90: warpgroup MMA, :mod:`tvmkv.tir.prefill_hopper`).
     """
     from . import append, decode, merge, page_ops, prefill, ragged, rope
 
@@ -64,11 +72,15 @@ def kernel_set(
         "append": append.make_append(spec),
         "split_rope": rope.make_split_rope(spec, rotate=rope_mode == "normal", rope_scaling=rope_scaling),
         "rope_q": rope.make_rope_q(spec, rotate=rope_mode == "normal", rope_scaling=rope_scaling),
-        "paged_prefill_none": prefill.make_paged_prefill(spec, mask="none", sliding=sliding, inline_rope=inline),
-        "paged_prefill_causal": prefill.make_paged_prefill(spec, mask="causal", sliding=sliding, inline_rope=inline),
+        "paged_prefill_none": prefill.make_paged_prefill(
+            spec, mask="none", sliding=sliding, inline_rope=inline, arch=arch
+        ),
+        "paged_prefill_causal": prefill.make_paged_prefill(
+            spec, mask="causal", sliding=sliding, inline_rope=inline, arch=arch
+        ),
         "paged_prefill_tree": prefill.make_paged_prefill(spec, mask="tree", sliding=sliding, inline_rope=inline),
         "paged_decode": decode.make_paged_decode(spec, sliding=sliding, inline_rope=inline),
-        "ragged_prefill_causal": ragged.make_ragged_prefill(spec, mask="causal", inline_rope=inline),
+        "ragged_prefill_causal": ragged.make_ragged_prefill(spec, mask="causal", inline_rope=inline, arch=arch),
         "ragged_prefill_tree": ragged.make_ragged_prefill(spec, mask="tree", inline_rope=inline),
         "paged_decode_split": decode.make_paged_decode_split(spec, sliding=sliding, inline_rope=inline),
         "paged_decode_split_merge": decode.make_paged_decode_split_merge(spec, sliding=sliding, inline_rope=inline),

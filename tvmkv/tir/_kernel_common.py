@@ -81,10 +81,19 @@ def heads_per_block(num_heads: int, threads_x: int) -> int:
     """Heads one CUDA block handles (``threadIdx.y`` extent) when ``threads_x`` threads cover one head.
 
     The data-movement kernels (``append``, ``split_rope``, ``merge_*``, the page ops and the interop
-    copies) share one CUDA mapping: ``threadIdx.x`` over the head dimension (or half of it),
-    ``threadIdx.y`` over a few heads, ``blockIdx`` over tokens (slots, pages) and head chunks.
+    copies) share one CUDA mapping: ``threadIdx.x`` over the head dimension (or half of it; ``append``
+    and ``split_rope`` move :func:`copy_vector` elements a thread), ``threadIdx.y`` over a few heads,
+    ``blockIdx`` over tokens (slots, pages) and head chunks.
     """
     return max(1, min(num_heads, MAX_THREADS // threads_x))
+
+
+def copy_vector(dtype: str, extent: int) -> int:
+    """Elements per thread of the data-movement kernels' innermost loop on cuda: 8 bytes' worth (4 x
+    16-bit, 2 x fp32) where ``extent`` divides evenly, else 1. One vector load / store per thread
+    instead of several 2- or 4-byte ones, and ``heads_per_block`` packs more heads into a block."""
+    v = 8 // (2 if dtype in ("float16", "bfloat16") else 4)
+    return v if extent % v == 0 else 1
 
 
 def rope_inv_freq(rope_scale, rope_theta, i, head_dim: int):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._kernel_common import func_attrs, heads_per_block, macro
+from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro
 from .spec import KernelSpec
 
 
@@ -45,7 +45,8 @@ def make_append(spec: KernelSpec):
         ``page_id * P + offset`` of each token, or negative to skip it.
     """
     H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
-    HY = heads_per_block(H, D)
+    V = copy_vector(spec.dtype, D)  # elements a cuda thread moves (one vector access)
+    HY = heads_per_block(H, D // V)
     HB = (H + HY - 1) // HY  # head chunks (blockIdx.y)
 
     @macro
@@ -62,11 +63,12 @@ def make_append(spec: KernelSpec):
         for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
             for hb in T.thread_binding(HB, thread="blockIdx.y"):
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
-                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                    for c in T.thread_binding(D // V, thread="threadIdx.x"):
                         if i < n and hb * HY + hy < H:
                             if slot[i] >= 0:
                                 h = T.meta_var(hb * HY + hy)
-                                pages[slot[i] // P, 0, h, slot[i] % P, d] = k[i, h, d]
-                                pages[slot[i] // P, 1, h, slot[i] % P, d] = v[i, h, d]
+                                for e in T.vectorized(V):
+                                    pages[slot[i] // P, 0, h, slot[i] % P, c * V + e] = k[i, h, c * V + e]
+                                    pages[slot[i] // P, 1, h, slot[i] % P, c * V + e] = v[i, h, c * V + e]
 
     return append_func(spec, cpu_body if spec.is_cpu else gpu_body)

@@ -9,13 +9,20 @@ PREFILL_MASKS = ("none", "causal", "tree")
 
 
 def make_paged_prefill(
-    spec: KernelSpec, *, mask: str = "causal", sliding: bool = False, inline_rope: bool = False, local: bool = False
+    spec: KernelSpec,
+    *,
+    mask: str = "causal",
+    sliding: bool = False,
+    inline_rope: bool = False,
+    local: bool = False,
+    arch: str | None = None,
 ):
     """Attention of ragged queries over paged K/V (history + this forward's tokens, already appended).
 
     On cuda, fp16/bf16 with head_dim 64 or 128, mask "none"/"causal", no sliding window, no
-    inline RoPE and not ``local`` use the tensor-core schedule of :mod:`tvmkv.tir.prefill_cuda`;
-    everything else the shared attention builder.
+    inline RoPE and not ``local`` use a tensor-core schedule: warpgroup MMA
+    (:mod:`tvmkv.tir.prefill_hopper`) when ``arch`` is "sm_90", else ``mma.sync``
+    (:mod:`tvmkv.tir.prefill_cuda`); everything else the shared attention builder.
 
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
     ----------
@@ -64,7 +71,10 @@ def make_paged_prefill(
         return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope, local=True)
     if spec.target_kind == "cuda":
         from .prefill_cuda import make_prefill_cuda, prefill_layout
+        from .prefill_hopper import hopper_layout, make_prefill_hopper
 
+        if hopper_layout(spec, mask=mask, arch=arch, sliding=sliding, inline_rope=inline_rope) is not None:
+            return make_prefill_hopper(spec, source="paged", mask=mask, arch=arch)
         if prefill_layout(spec, mask=mask, sliding=sliding, inline_rope=inline_rope) is not None:
             return make_prefill_cuda(spec, source="paged", mask=mask)
     return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope)

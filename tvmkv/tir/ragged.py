@@ -8,11 +8,19 @@ from .spec import KernelSpec
 RAGGED_MASKS = ("causal", "tree")
 
 
-def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: bool = False, local: bool = False):
+def make_ragged_prefill(
+    spec: KernelSpec,
+    *,
+    mask: str = "causal",
+    inline_rope: bool = False,
+    local: bool = False,
+    arch: str | None = None,
+):
     """Attention of the new tokens over the new tokens of the same sequence (k/v not paged).
 
-    On cuda, fp16/bf16 causal with head_dim 64 or 128, no inline RoPE and not ``local`` use the
-    tensor-core schedule of :mod:`tvmkv.tir.prefill_cuda`; everything else the shared attention builder.
+    On cuda, fp16/bf16 causal with head_dim 64 or 128, no inline RoPE and not ``local`` use a
+    tensor-core schedule: warpgroup MMA (:mod:`tvmkv.tir.prefill_hopper`) when ``arch`` is "sm_90",
+    else ``mma.sync`` (:mod:`tvmkv.tir.prefill_cuda`); everything else the shared attention builder.
 
     Parameters (of the returned PrimFunc, in order; layouts in docs/layout.md)
     ----------
@@ -50,7 +58,10 @@ def make_ragged_prefill(spec: KernelSpec, *, mask: str = "causal", inline_rope: 
         return build_attention(spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope, local=True)
     if spec.target_kind == "cuda":
         from .prefill_cuda import make_prefill_cuda, prefill_layout
+        from .prefill_hopper import hopper_layout, make_prefill_hopper
 
+        if hopper_layout(spec, mask=mask, arch=arch, inline_rope=inline_rope) is not None:
+            return make_prefill_hopper(spec, source="ragged", mask=mask, arch=arch)
         if prefill_layout(spec, mask=mask, inline_rope=inline_rope) is not None:
             return make_prefill_cuda(spec, source="ragged", mask=mask)
     return build_attention(spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope)

@@ -20,7 +20,7 @@ import math
 
 from tvm.script import tirx as T
 
-from ._kernel_common import func_attrs, heads_per_block, macro, rope_inv_freq
+from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro, rope_inv_freq
 from .rope_scaling import RopeScaling
 from .spec import KernelSpec
 
@@ -350,7 +350,8 @@ def make_split_rope(
     H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     H = spec.qkv_heads
     D2 = D // 2
-    HY = heads_per_block(H, D2)
+    V = copy_vector(spec.dtype, D2)  # elements of each half a cuda thread moves (one vector access)
+    HY = heads_per_block(H, D2 // V)
     HB = (H + HY - 1) // HY
 
     @macro
@@ -404,48 +405,50 @@ def make_split_rope(
         for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
             for hb in T.thread_binding(HB, thread="blockIdx.y"):
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
-                    for d in T.thread_binding(D2, thread="threadIdx.x"):
-                        h = T.meta_var(hb * HY + hy)
-                        if i < n and h < H:
-                            if h < H_qo:
-                                if rotate:
-                                    y = T.meta_var(
-                                        rope_pair(
-                                            qkv[i, h, d],
-                                            qkv[i, h, d + D2],
-                                            pos[i],
-                                            d,
-                                            D,
-                                            rope_scale,
-                                            rope_theta,
+                    for c in T.thread_binding(D2 // V, thread="threadIdx.x"):
+                        for e in T.vectorized(V):
+                            d = T.meta_var(c * V + e)
+                            h = T.meta_var(hb * HY + hy)
+                            if i < n and h < H:
+                                if h < H_qo:
+                                    if rotate:
+                                        y = T.meta_var(
+                                            rope_pair(
+                                                qkv[i, h, d],
+                                                qkv[i, h, d + D2],
+                                                pos[i],
+                                                d,
+                                                D,
+                                                rope_scale,
+                                                rope_theta,
+                                            )
                                         )
-                                    )
-                                    q[i, h, d] = T.cast(y[0], dtype)
-                                    q[i, h, d + D2] = T.cast(y[1], dtype)
-                                else:
-                                    q[i, h, d] = qkv[i, h, d]
-                                    q[i, h, d + D2] = qkv[i, h, d + D2]
-                            elif h < H_qo + H_kv:
-                                if rotate:
-                                    y = T.meta_var(
-                                        rope_pair(
-                                            qkv[i, h, d],
-                                            qkv[i, h, d + D2],
-                                            pos[i],
-                                            d,
-                                            D,
-                                            rope_scale,
-                                            rope_theta,
+                                        q[i, h, d] = T.cast(y[0], dtype)
+                                        q[i, h, d + D2] = T.cast(y[1], dtype)
+                                    else:
+                                        q[i, h, d] = qkv[i, h, d]
+                                        q[i, h, d + D2] = qkv[i, h, d + D2]
+                                elif h < H_qo + H_kv:
+                                    if rotate:
+                                        y = T.meta_var(
+                                            rope_pair(
+                                                qkv[i, h, d],
+                                                qkv[i, h, d + D2],
+                                                pos[i],
+                                                d,
+                                                D,
+                                                rope_scale,
+                                                rope_theta,
+                                            )
                                         )
-                                    )
-                                    put_kv(0, i, h - H_qo, d, T.cast(y[0], dtype))
-                                    put_kv(0, i, h - H_qo, d + D2, T.cast(y[1], dtype))
+                                        put_kv(0, i, h - H_qo, d, T.cast(y[0], dtype))
+                                        put_kv(0, i, h - H_qo, d + D2, T.cast(y[1], dtype))
+                                    else:
+                                        put_kv(0, i, h - H_qo, d, qkv[i, h, d])
+                                        put_kv(0, i, h - H_qo, d + D2, qkv[i, h, d + D2])
                                 else:
-                                    put_kv(0, i, h - H_qo, d, qkv[i, h, d])
-                                    put_kv(0, i, h - H_qo, d + D2, qkv[i, h, d + D2])
-                            else:
-                                put_kv(1, i, h - H_qo - H_kv, d, qkv[i, h, d])
-                                put_kv(1, i, h - H_qo - H_kv, d + D2, qkv[i, h, d + D2])
+                                    put_kv(1, i, h - H_qo - H_kv, d, qkv[i, h, d])
+                                    put_kv(1, i, h - H_qo - H_kv, d + D2, qkv[i, h, d + D2])
 
     wrap = split_rope_append_func if into_pages else split_rope_func
     return wrap(spec, cpu_body if spec.is_cpu else gpu_body)

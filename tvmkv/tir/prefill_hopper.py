@@ -1,0 +1,609 @@
+# ruff: noqa: F821, F841
+# (the TVMScript macros below name the kernel's buffers and variables, which ruff cannot see)
+"""Hopper (sm_90) schedule of the paged and ragged prefill kernels: warpgroup MMA. See docs/layout.md.
+
+The same forward as :mod:`tvmkv.tir.prefill_cuda` (flash-attention-2: online softmax in base 2 on the
+score registers, ``P`` kept in registers, one pass over the keys), with both products on Hopper's
+asynchronous warpgroup MMA (``wgmma.mma_async``, fp32 accumulation) instead of ``mma.sync``:
+
+* ``S = Q K^T``: one ``m64n{BC}k16`` per 16 head dims, both operands read by the tensor cores straight
+  from shared memory through matrix descriptors (no ``ldmatrix``);
+* ``O += P V``: one ``m64n{D}k16`` per 16 keys, ``A = P`` from registers (the score accumulators,
+  converted to fp16 / bf16 pairs, are already laid out as wgmma's A fragment), ``B = V`` from shared
+  memory read MN-major (transposed by the instruction).
+
+Work decomposition
+------------------
+* One thread block = (query tile, kv head ``hk``), two warpgroups (256 threads), ``BR = 128`` query
+  rows (warpgroup ``g`` owns rows ``64 g .. 64 g + 63``, warp ``w`` rows ``16 w .. 16 w + 15``: the
+  accumulator layout of ``m64nN`` is ``mma.sync``'s m16n8 layout per warp). GQA packing, tile ids,
+  the binary search for the sequence, the causal key range and mask, the page-table gather and the
+  output are those of :mod:`tvmkv.tir.prefill_cuda` (its helpers are reused).
+* K/V tiles of ``BC`` keys (default 128) in a ring of ``STAGES`` shared-memory slots (default 3),
+  filled by ``cp.async`` issued by every thread (no producer warps): a thread waits for its own
+  copies, makes them visible to the tensor cores' async proxy (``fence.proxy.async``), then the block
+  agrees the tile is complete.
+* Tile loop (default, :func:`make_prefill_hopper` ``pingpong``; FlashAttention-3's two overlaps
+  without its TMA producer): step ``j`` issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` back to
+  back, waits for ``S_j`` only, and runs tile ``j``'s softmax while the tensor cores do the ``P V``
+  product; the two warpgroups take turns issuing their products (named barriers 1 and 2), so one's
+  softmax also runs under the other's products. The warpgroups hand shared memory over with
+  mbarriers, not block-wide barriers, so they can run half a step apart: each slot has a "full"
+  barrier (256 arrivals: every thread's copies of its tile landed) and an "empty" one (256
+  arrivals: every thread's ``P V`` of it is done); step ``j`` refills the slot of tile ``j - 2``
+  with tile ``j + STAGES - 2`` while its products run. Knobs kept for tuning: ``overlap`` (the same
+  loop with the warpgroups in step, block barriers), neither (serial: S, softmax, P V per tile),
+  ``warpgroups=1`` (64-row blocks), ``bc`` 64.
+* Shared-memory layout, the one wgmma's 128-byte swizzle reads: a tile of ``R`` rows x ``D`` dims is
+  stored as ``D / 64`` column blocks of ``[R][64]`` (128 bytes a row); 16-byte chunk ``c`` of row ``r``
+  sits at chunk ``c ^ (r % 8)`` of its row (:func:`sw_off`). Every tile starts 1024-byte aligned (the
+  swizzle is a function of address bits 4-9), so the dynamic buffer is padded at run time to the next
+  1024-byte boundary. K-major operands (``Q``, ``K``): stride between 8-row groups 1024 bytes, a k16
+  step moves the start address 32 bytes inside the 128-byte atom (and to the next column block every
+  4 steps). ``V`` (MN-major): 8-key groups 1024 bytes apart, the two 64-dim column blocks ``BC x 128``
+  bytes apart, a k16 step moves 16 rows.
+
+Fast path (:func:`hopper_layout`): target cuda built for sm_90, fp16 or bf16, head_dim 64 or 128,
+mask "none" or "causal", no sliding window, no inline RoPE, ``group`` dividing 128. On an H200 (fp16,
+H_qo 32, H_kv 8, D 128, page 16; bench/RESULTS.md) causal 1x4096 runs at 455 TFLOP/s (mma.sync:
+292), 4x1024 new tokens over 2048 of history at 424 (264). Everything else
+keeps the ``mma.sync`` schedule of :mod:`tvmkv.tir.prefill_cuda` (sm_80 / sm_89, other shapes) or the
+generic one.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ._kernel_common import LOG2E, WARP, macro
+from .attention import paged_prefill_func, ragged_prefill_func
+from .prefill_cuda import BLOCK, CP16, CVT, kv_rc, load_rc, tile_start
+from .spec import KernelSpec
+
+HOPPER_ARCHS = ("sm_90",)
+DEFAULT_WARPGROUPS = 2  # 64 query rows and 128 threads each
+# The schedule the runtime builds; the other knobs are kept for tuning (bench/RESULTS.md has the
+# measured alternatives: one warpgroup per block, 64-key tiles, the serial and overlapped loops)
+DEFAULT_BC = 128  # keys per K/V tile
+DEFAULT_STAGES = 3  # K/V tiles in the ring of shared-memory slots
+DEFAULT_OVERLAP = False  # one warpgroup's softmax of tile j under its own P V of tile j - 1 (needs 3+ slots)
+DEFAULT_PINGPONG = True  # the overlapped loop with the two warpgroups out of step (needs 3+ slots)
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt into
+ALIGN = 1024  # bytes: the 128-byte swizzle repeats every 8 rows of 128 bytes
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def wgmma_op(n: int, dtype: str) -> str:
+    """The ``m64n{n}k16`` wgmma with fp32 accumulation for ``dtype`` operands."""
+    t = PTX_TYPE[dtype]
+    return f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}"
+
+
+def sw_off(rows, r, c):
+    """Element offset of 16-byte chunk ``c`` of row ``r`` inside a tile of ``rows`` rows in the
+    128-byte-swizzled layout (column blocks of 64 elements, chunk XOR row within 8-row groups)."""
+    return ((c >> 3) * rows + r) * 64 + ((c & 7) ^ (r & 7)) * 8
+
+
+def smem_elems(D: int, bc: int, stages: int, warpgroups: int) -> int:
+    """Elements of the dynamic buffer before the alignment pad: Q tile, then ``stages`` x (K, V)."""
+    return 64 * warpgroups * D + stages * 2 * bc * D
+
+
+def hopper_layout(
+    spec: KernelSpec,
+    *,
+    mask: str,
+    arch: str | None,
+    sliding: bool = False,
+    inline_rope: bool = False,
+    bc: int = DEFAULT_BC,
+    stages: int = DEFAULT_STAGES,
+    overlap: bool = DEFAULT_OVERLAP,
+    pingpong: bool = DEFAULT_PINGPONG,
+    warpgroups: int = DEFAULT_WARPGROUPS,
+):
+    """Static layout of the wgmma path, or ``None`` where another schedule is used.
+
+    Returns a dict: BC (keys per tile), STAGES, RT (tokens per block), CPR (16-byte chunks per row),
+    QI / KVI (chunks per thread of the Q / one K or V tile), SMEM (bytes of dynamic shared memory,
+    with the alignment pad)."""
+    D, group = spec.head_dim, spec.group
+    CPR = D // 8
+    BR, NT = 64 * warpgroups, 128 * warpgroups
+    smem = smem_elems(D, bc, stages, warpgroups) * 2 + ALIGN
+    if (
+        spec.target_kind != "cuda"
+        or arch not in HOPPER_ARCHS
+        or spec.dtype not in PTX_TYPE
+        or D not in (64, 128)
+        or mask not in ("none", "causal")
+        or sliding
+        or inline_rope
+        or BR % group
+        or bc not in (64, 128, 192, 256)
+        or stages < (3 if overlap or pingpong else 2)
+        or warpgroups not in (1, 2)
+        or (pingpong and warpgroups != 2)
+        or smem > SMEM_LIMIT
+    ):
+        return None
+    return {
+        "BR": BR,
+        "NT": NT,
+        "BC": bc,
+        "STAGES": stages,
+        "RT": BR // group,
+        "CPR": CPR,
+        "QI": BR * CPR // NT,
+        "KVI": bc * CPR // NT,
+        "SMEM": smem,
+    }
+
+
+def make_prefill_hopper(
+    spec: KernelSpec,
+    *,
+    source: str,
+    mask: str,
+    arch: str | None,
+    bc: int = DEFAULT_BC,
+    stages: int = DEFAULT_STAGES,
+    overlap: bool = DEFAULT_OVERLAP,
+    pingpong: bool = DEFAULT_PINGPONG,
+    warpgroups: int = DEFAULT_WARPGROUPS,
+):
+    """The wgmma PrimFunc for ``source`` "paged" or "ragged" (the signatures of
+    :func:`tvmkv.tir.attention.paged_prefill_func` / ``ragged_prefill_func``). The caller checks
+    :func:`hopper_layout` first; ``bc`` and ``stages`` are tuning knobs (defaults: what the runtime
+    builds)."""
+    assert source in ("paged", "ragged")
+    lay = hopper_layout(
+        spec, mask=mask, arch=arch, bc=bc, stages=stages, overlap=overlap, pingpong=pingpong, warpgroups=warpgroups
+    )
+    assert lay is not None, "make_prefill_hopper called for a configuration outside its fast path"
+    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    group = spec.group
+    BR, NT, BC, ST, RT, CPR, QI, KVI = (lay[k] for k in ("BR", "NT", "BC", "STAGES", "RT", "CPR", "QI", "KVI"))
+    LOGP = P.bit_length() - 1
+    PMASK = P - 1
+    paged = source == "paged"
+    causal = mask == "causal"
+    wg_s = wgmma_op(BC, dtype)
+    wg_o = wgmma_op(D, dtype)
+    cvt = CVT[dtype]
+    NI = BC // 8  # n8 column groups of the score accumulator
+    DN = D // 8  # n8 column groups of the output accumulator
+    KD = D // 16  # k16 steps of Q K^T
+    KB = BC // 16  # k16 steps of P V
+    NW = NT // WARP
+    PREFETCH = ST - 2 if overlap or pingpong else ST - 1  # tiles in flight ahead of the one computed
+    Q_OFF = 0
+
+    def k_off(st):  # element offset of ring slot st's K tile (V follows it)
+        return BR * D + st * (2 * BC * D)
+
+    def v_off(st):
+        return BR * D + st * (2 * BC * D) + BC * D
+
+    WORDS = (smem_elems(D, BC, ST, warpgroups) * 2 + ALIGN) // 4
+    SBO = 1024 // 16  # 8 rows of 128 bytes, in the descriptor's 16-byte units
+    V_LBO = BC * 128 // 16  # MN-major V: the second 64-dim column block
+    neg_inf = float("-inf")
+
+    def desc_step(region, rows, kk):
+        # 16-byte units from the buffer start to k16 step kk of a K-major tile of `rows` rows at
+        # element offset `region` (a multiple of 512: 1024 bytes)
+        return region // 8 + (kk // 4) * (rows * 8) + (kk % 4) * 2
+
+    @macro
+    def fetch_pid(kt):
+        if paged:
+            for i in T.unroll(KVI):
+                kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
+                pid[i] = page_indices[sv[BLOCK.kbase] + (T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1) >> LOGP)]
+
+    @macro
+    def issue_kv(kt, st):
+        # cp.async the K and V rows of tile kt into ring slot st (keys past the end re-read the last key)
+        for i in T.unroll(KVI):
+            kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
+            j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
+            if paged:
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + k_off(st) + sw_off(BC, kr, kc)]),
+                    pages.ptr_to([pid[i], 0, hk, j & PMASK, kc * 8]),
+                    16,
+                )
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + v_off(st) + sw_off(BC, kr, kc)]),
+                    pages.ptr_to([pid[i], 1, hk, j & PMASK, kc * 8]),
+                    16,
+                )
+            else:
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + k_off(st) + sw_off(BC, kr, kc)]),
+                    k.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]),
+                    16,
+                )
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + v_off(st) + sw_off(BC, kr, kc)]),
+                    v.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]),
+                    16,
+                )
+
+    @macro
+    def issue_s(st):
+        # S = Q K^T: this warpgroup's 64 rows x BC keys, operands from shared memory (one commit group)
+        for kk in T.unroll(KD):
+            da[0] = dkq[0] + T.uint64(desc_step(Q_OFF + wg * 64 * 64, BR, kk))
+            db[0] = dkq[0] + T.uint64(desc_step(k_off(st), BC, kk))
+            T.ptx[wg_s](*[s[i // 4, i % 4] for i in range(NI * 4)], da[0], db[0], kk > 0, 1, 1, 0, 0)
+        T.ptx["wgmma.commit_group.sync.aligned"]()
+
+    @macro
+    def issue_pv(st):
+        # O += P V: A = P from registers, V read MN-major (transposed) from shared memory (one commit group)
+        for kk in T.unroll(KB):
+            db[0] = dv[0] + T.uint64((v_off(st) + kk * 16 * 64) // 8)
+            T.ptx[wg_o](
+                *[o_acc[i // 4, i % 4] for i in range(DN * 4)],
+                pf[kk, 0],
+                pf[kk, 1],
+                pf[kk, 2],
+                pf[kk, 3],
+                db[0],
+                True,
+                1,
+                1,
+                1,
+            )
+        T.ptx["wgmma.commit_group.sync.aligned"]()
+
+    @macro
+    def softmax(kt):
+        # mask (only tiles past the smallest row bound or the sequence end), then the online softmax on
+        # the score accumulators (regs 0, 1 -> row g, regs 2, 3 -> row g + 8): s becomes P, alpha the
+        # factor O still has to be scaled by (rescale_o)
+        if (kt + 1) * BC > sv[BLOCK.kfull]:
+            for ni in T.unroll(NI):
+                for r in T.unroll(4):
+                    if causal:
+                        s[ni, r] = T.if_then_else(
+                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < T.min(sv[BLOCK.kv_len], rpos[r // 2] + 1),
+                            s[ni, r],
+                            T.float32(neg_inf),
+                        )
+                    else:
+                        s[ni, r] = T.if_then_else(
+                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < sv[BLOCK.kv_len], s[ni, r], T.float32(neg_inf)
+                        )
+        for h in T.unroll(2):
+            mx[h] = T.max(s[0, 2 * h], s[0, 2 * h + 1])
+            for ni in T.unroll(1, NI):
+                mx[h] = T.max(mx[h], T.max(s[ni, 2 * h], s[ni, 2 * h + 1]))
+            mx[h] = T.max(m[h], T.cuda.warp_reduce(mx[h], "max", 4) * sl2[0])  # 4 lanes share a row
+            # subtract a finite base: a row with no visible key so far keeps p = 0, alpha = 0
+            base[h] = T.if_then_else(mx[h] == T.float32(neg_inf), T.float32(0), mx[h])
+            alpha[h] = T.exp2(m[h] - base[h])
+            m[h] = mx[h]
+            lsum[h] = lsum[h] * alpha[h]
+            for ni in T.unroll(NI):
+                for c in T.unroll(2):
+                    s[ni, 2 * h + c] = T.exp2(s[ni, 2 * h + c] * sl2[0] - base[h])
+                    lsum[h] = lsum[h] + s[ni, 2 * h + c]
+
+    @macro
+    def rescale_o():
+        for h in T.unroll(2):
+            for dn in T.unroll(DN):
+                for c in T.unroll(2):
+                    o_acc[dn, 2 * h + c] = o_acc[dn, 2 * h + c] * alpha[h]
+
+    @macro
+    def to_p():
+        # P as wgmma A fragments: score groups (2kk, 2kk + 1) are key step kk
+        for kk in T.unroll(KB):
+            T.ptx[cvt](pf[kk, 0], s[2 * kk, 1], s[2 * kk, 0])  # hi, lo
+            T.ptx[cvt](pf[kk, 1], s[2 * kk, 3], s[2 * kk, 2])
+            T.ptx[cvt](pf[kk, 2], s[2 * kk + 1, 1], s[2 * kk + 1, 0])
+            T.ptx[cvt](pf[kk, 3], s[2 * kk + 1, 3], s[2 * kk + 1, 2])
+
+    @macro
+    def land(kt, ahead):
+        # tile kt is in shared memory for everyone (and visible to wgmma); then refill the slot of tile
+        # kt + ahead (if any) and fetch the page ids of the tile after it
+        T.ptx["cp.async.wait_group"](ahead - 1)  # this thread's copies of tile kt (and Q) landed
+        T.ptx["fence.proxy.async.shared::cta"]()  # ... and are visible to the async proxy
+        T.tvm_storage_sync("shared")  # everyone's copies; everyone is done with the slot refilled below
+        if kt + ahead < sv[BLOCK.nkt]:
+            issue_kv(kt + ahead, (kt + ahead) % ST)
+            fetch_pid(kt + ahead + 1)
+        T.ptx["cp.async.commit_group"]()
+
+    @macro
+    def tiles_serial():
+        # tiles kt + 1 .. kt + ST - 1 stream in while tile kt is computed; per tile: S, softmax, P V
+        for kt in T.serial(sv[BLOCK.nkt]):
+            land(kt, ST - 1)
+            T.ptx["wgmma.fence.sync.aligned"]()
+            issue_s(kt % ST)
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
+            softmax(kt)
+            rescale_o()
+            to_p()
+            T.ptx["wgmma.fence.sync.aligned"]()
+            issue_pv(kt % ST)
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
+
+    @macro
+    def tiles_overlapped():
+        # step kt issues S of tile kt and P V of tile kt - 1 back to back, then runs tile kt's softmax
+        # while the tensor cores do P V (FlashAttention-3's intra-warpgroup overlap). Tiles kt + 1 ..
+        # kt + ST - 2 are in flight; the slot refilled at step kt held tile kt - 2, whose P V every
+        # warpgroup waited for in step kt - 1 (tile kt - 1's slot is still read by this step's P V).
+        # First and last steps are peeled so that the loop body has no branch around a wgmma (ptxas
+        # would serialize the pipeline).
+        if sv[BLOCK.nkt] > 0:
+            land(0, ST - 2)
+            T.ptx["wgmma.fence.sync.aligned"]()
+            issue_s(0)
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
+            softmax(0)
+            to_p()
+            for kt in T.serial(1, sv[BLOCK.nkt]):
+                land(kt, ST - 2)
+                T.ptx["wgmma.fence.sync.aligned"]()
+                issue_s(kt % ST)
+                issue_pv((kt + ST - 1) % ST)
+                T.ptx["wgmma.wait_group.sync.aligned"](1)  # S of tile kt (groups complete in order)
+                softmax(kt)
+                T.ptx["wgmma.wait_group.sync.aligned"](0)  # P V of tile kt - 1: O and P are free again
+                rescale_o()
+                to_p()
+            T.ptx["wgmma.fence.sync.aligned"]()
+            issue_pv((sv[BLOCK.nkt] - 1) % ST)
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
+
+    @macro
+    def full_wait(kt):
+        # tile kt is in shared memory for everyone: this thread's copies landed and are made visible to
+        # the async proxy, it arrives on the slot's "full" barrier and waits for the other 255
+        T.ptx["cp.async.wait_group"](PREFETCH - 1)
+        T.ptx["fence.proxy.async.shared::cta"]()
+        T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([kt % ST]))
+        T.cuda.mbarrier_wait(mbar.ptr_to([kt % ST]), (kt // ST) % 2)
+
+    @macro
+    def refill(kt):
+        # copy tile kt + PREFETCH into its slot once every thread is done with the slot's previous tile
+        # (its "empty" barrier), and fetch the page ids of the tile after it; one commit group per step
+        if kt + PREFETCH < sv[BLOCK.nkt]:
+            if kt + PREFETCH >= ST:
+                T.cuda.mbarrier_wait(mbar.ptr_to([ST + (kt + PREFETCH) % ST]), ((kt + PREFETCH) // ST - 1) % 2)
+            issue_kv(kt + PREFETCH, (kt + PREFETCH) % ST)
+            fetch_pid(kt + PREFETCH + 1)
+        T.ptx["cp.async.commit_group"]()
+
+    @macro
+    def tiles_pingpong():
+        # tiles_overlapped with the two warpgroups out of step (FlashAttention-3's ping-pong): a
+        # warpgroup issues its wgmmas (S of tile kt, P V of tile kt - 1) only after the other one has
+        # issued its own (named barriers 1 and 2), so one warpgroup's softmax runs under the other's
+        # products. Shared memory is handed over with mbarriers instead of block-wide barriers, so the
+        # warpgroups can drift apart: slot s's "full" barrier (256 arrivals: every thread's copies of
+        # the slot's tile landed) and "empty" barrier (256 arrivals: every thread's P V of it is done).
+        # A slot is refilled with tile kt + ST - 2 during step kt, after its tile kt - 2 is released.
+        if wg == 1:
+            T.ptx["barrier.arrive.aligned"](T.uint32(1), T.uint32(NT))  # warpgroup 0 issues first
+        if sv[BLOCK.nkt] > 0:
+            full_wait(0)
+            T.ptx["barrier.sync.aligned"](T.uint32(1 + wg), T.uint32(NT))
+            T.ptx["wgmma.fence.sync.aligned"]()
+            issue_s(0)
+            T.ptx["barrier.arrive.aligned"](T.uint32(2 - wg), T.uint32(NT))
+            refill(0)
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
+            softmax(0)
+            to_p()
+            for kt in T.serial(1, sv[BLOCK.nkt]):
+                full_wait(kt)
+                T.ptx["barrier.sync.aligned"](T.uint32(1 + wg), T.uint32(NT))
+                T.ptx["wgmma.fence.sync.aligned"]()
+                issue_s(kt % ST)
+                issue_pv((kt + ST - 1) % ST)
+                T.ptx["barrier.arrive.aligned"](T.uint32(2 - wg), T.uint32(NT))
+                refill(kt)
+                T.ptx["wgmma.wait_group.sync.aligned"](1)  # S of tile kt
+                softmax(kt)
+                T.ptx["wgmma.wait_group.sync.aligned"](0)  # P V of tile kt - 1
+                T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([ST + (kt + ST - 1) % ST]))
+                rescale_o()
+                to_p()
+            T.ptx["barrier.sync.aligned"](T.uint32(1 + wg), T.uint32(NT))
+            T.ptx["wgmma.fence.sync.aligned"]()
+            issue_pv((sv[BLOCK.nkt] - 1) % ST)
+            if wg == 0:
+                # the last sync of warpgroup 1 (whose own last arrive is skipped: the counts balance)
+                T.ptx["barrier.arrive.aligned"](T.uint32(2), T.uint32(NT))
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
+        else:
+            if wg == 0:
+                T.ptx["barrier.sync.aligned"](T.uint32(1), T.uint32(NT))  # consume warpgroup 1's first arrive
+
+    @macro
+    def fa_body():
+        bx = T.launch_thread("blockIdx.x", (n // RT + B) * H_kv)
+        tx = T.launch_thread("threadIdx.x", NT)
+        lane = T.meta_var(tx % WARP)
+        w = T.meta_var(tx // WARP)
+        wg = T.meta_var(tx // 128)
+        hk = T.meta_var(bx % H_kv)
+        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
+        # dynamic shared memory as float32 words (kernels of several dtypes in one module declare the
+        # same extern __shared__ array); tiles start at pad[0], the first 1024-byte boundary
+        sm_raw = T.alloc_buffer((WORDS,), "float32", scope="shared.dyn")
+        sm = T.decl_buffer((WORDS * 2,), dtype, data=sm_raw.data, scope="shared.dyn")
+        red = T.alloc_buffer((2, NW), "float32", scope="shared")
+        mbar = T.alloc_buffer((2 * ST if pingpong else 1,), "uint64", scope="shared")  # pingpong: full, empty
+        sv = T.alloc_buffer((len(BLOCK),), "int32", scope="local")
+        pad = T.alloc_buffer((1,), "int32", scope="local")
+        dkq = T.alloc_buffer((1,), "uint64", scope="local")
+        dv = T.alloc_buffer((1,), "uint64", scope="local")
+        da = T.alloc_buffer((1,), "uint64", scope="local")
+        db = T.alloc_buffer((1,), "uint64", scope="local")
+        rpos = T.alloc_buffer((2,), "int32", scope="local")  # causal bound of rows g, g + 8
+        pid = T.alloc_buffer((KVI,), "int32", scope="local")
+        pf = T.alloc_buffer((KB, 4), "uint32", scope="local")
+        s = T.alloc_buffer((NI, 4), "float32", scope="local")
+        o_acc = T.alloc_buffer((DN, 4), "float32", scope="local")
+        m = T.alloc_buffer((2,), "float32", scope="local")
+        lsum = T.alloc_buffer((2,), "float32", scope="local")
+        mx = T.alloc_buffer((2,), "float32", scope="local")
+        base = T.alloc_buffer((2,), "float32", scope="local")
+        alpha = T.alloc_buffer((2,), "float32", scope="local")
+        sl2 = T.alloc_buffer((1,), "float32", scope="local")
+        pf32 = T.alloc_buffer((2,), "float32", scope="local")
+        rinv = T.alloc_buffer((2,), "float32", scope="local")
+        pk = T.alloc_buffer((1,), "uint32", scope="local")
+        o_pairs = T.decl_buffer((n * H_qo * D // 2,), "uint32", data=o.data)  # o as packed element pairs
+
+        # ---- which sequence and tile: largest b with tile_start(b) <= tile id (binary search)
+        sv[BLOCK.lo] = 0
+        sv[BLOCK.hi] = B
+        while sv[BLOCK.hi] - sv[BLOCK.lo] > 1:
+            if (
+                tile_start(q_indptr[(sv[BLOCK.lo] + sv[BLOCK.hi]) // 2], (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2, RT)
+                <= bx // H_kv
+            ):
+                sv[BLOCK.lo] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
+            else:
+                sv[BLOCK.hi] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
+        sv[BLOCK.b] = sv[BLOCK.lo]
+        sv[BLOCK.qbase] = q_indptr[sv[BLOCK.b]]
+        sv[BLOCK.ntile] = (q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase] + RT - 1) // RT
+        sv[BLOCK.lt] = (
+            sv[BLOCK.ntile] - 1 - (bx // H_kv - tile_start(sv[BLOCK.qbase], sv[BLOCK.b], RT))
+        )  # last tile first
+        if sv[BLOCK.lt] >= 0:
+            sv[BLOCK.t0] = sv[BLOCK.qbase] + sv[BLOCK.lt] * RT
+            sv[BLOCK.ntok] = T.min(RT, q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.t0])
+            if paged:
+                sv[BLOCK.kbase] = page_indptr[sv[BLOCK.b]]
+                sv[BLOCK.kv_len] = 0
+                if page_indptr[sv[BLOCK.b] + 1] > page_indptr[sv[BLOCK.b]]:
+                    sv[BLOCK.kv_len] = (
+                        page_indptr[sv[BLOCK.b] + 1] - page_indptr[sv[BLOCK.b]] - 1
+                    ) * P + last_page_len[sv[BLOCK.b]]
+            else:
+                sv[BLOCK.kbase] = sv[BLOCK.qbase]
+                sv[BLOCK.kv_len] = q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase]
+            # causal bound of this thread's rows (w * 16 + g and + 8), token clamped into the tile
+            for h in T.unroll(2):
+                if paged:
+                    rpos[h] = q_pos[sv[BLOCK.t0] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)]
+                else:
+                    rpos[h] = (
+                        sv[BLOCK.t0]
+                        - sv[BLOCK.qbase]
+                        + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)
+                    )
+            # key range of the block: scan [0, kend), mask from kfull on
+            if causal:
+                if paged:
+                    pf32[0] = T.Cast("float32", q_pos[sv[BLOCK.t0] + T.min(tx % RT, sv[BLOCK.ntok] - 1)])
+                    pf32[1] = T.cuda.warp_reduce(pf32[0], "max", WARP)
+                    pf32[0] = T.cuda.warp_reduce(-pf32[0], "max", WARP)
+                    if lane == 0:
+                        red[0, w] = pf32[1]
+                        red[1, w] = pf32[0]
+                    T.tvm_storage_sync("shared")
+                    pf32[1] = red[0, 0]
+                    pf32[0] = red[1, 0]
+                    for k2 in T.unroll(1, NW):
+                        pf32[1] = T.max(pf32[1], red[0, k2])
+                        pf32[0] = T.max(pf32[0], red[1, k2])
+                    sv[BLOCK.nkt] = T.max(T.min(sv[BLOCK.kv_len], T.Cast("int32", pf32[1]) + 1), 0)
+                    sv[BLOCK.kfull] = T.max(T.min(sv[BLOCK.kv_len], 1 - T.Cast("int32", pf32[0])), 0)
+                else:
+                    sv[BLOCK.nkt] = sv[BLOCK.t0] - sv[BLOCK.qbase] + sv[BLOCK.ntok]
+                    sv[BLOCK.kfull] = sv[BLOCK.t0] - sv[BLOCK.qbase] + 1
+            else:
+                sv[BLOCK.nkt] = sv[BLOCK.kv_len]
+                sv[BLOCK.kfull] = sv[BLOCK.kv_len]
+            sv[BLOCK.nkt] = (sv[BLOCK.nkt] + BC - 1) // BC
+            sl2[0] = sm_scale * T.float32(LOG2E)
+            for h in T.unroll(2):
+                m[h] = T.float32(neg_inf)
+                lsum[h] = T.float32(0)
+            for dn in T.unroll(DN):
+                for r in T.unroll(4):
+                    o_acc[dn, r] = T.float32(0)
+            # ---- descriptors of the buffer start, moved up to the first 1024-byte boundary: K-major
+            # (Q and K: 8-row groups 1024 bytes apart) and MN-major V (column blocks BC x 128 bytes apart)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dkq[0]), sm.ptr_to([0]), 1, SBO, 3)
+            # (the descriptor's low 14 bits are the shared address / 16)
+            pad[0] = T.Cast(
+                "int32", (T.uint64(ALIGN // 16) - (dkq[0] & T.uint64(ALIGN // 16 - 1))) & T.uint64(ALIGN // 16 - 1)
+            )
+            pad[0] = pad[0] * 8
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dkq[0]), sm.ptr_to([pad[0]]), 1, SBO, 3)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dv[0]), sm.ptr_to([pad[0]]), V_LBO, SBO, 3)
+
+            if pingpong:
+                if tx == 0:
+                    for i in T.unroll(2 * ST):
+                        T.ptx["mbarrier.init.shared::cta.b64"](mbar.ptr_to([i]), T.uint32(NT))
+                T.tvm_storage_sync("shared")
+            # ---- Q tile (own cp.async group), then K/V tiles 0 .. PREFETCH - 1
+            for i in T.unroll(QI):
+                qr, qc = T.meta_var(load_rc(tx, i, NT, CPR))
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + Q_OFF + sw_off(BR, qr, qc)]),
+                    q.ptr_to([sv[BLOCK.t0] + T.min(qr // group, sv[BLOCK.ntok] - 1), hk * group + qr % group, qc * 8]),
+                    16,
+                )
+            T.ptx["cp.async.commit_group"]()
+            fetch_pid(0)
+            for p in T.unroll(PREFETCH):
+                if p < sv[BLOCK.nkt]:
+                    issue_kv(p, p)
+                    fetch_pid(p + 1)
+                T.ptx["cp.async.commit_group"]()
+
+            # ---- key tiles
+            if pingpong:
+                tiles_pingpong()
+            elif overlap:
+                tiles_overlapped()
+            else:
+                tiles_serial()
+            T.ptx["cp.async.wait_group"](0)
+
+            # ---- o = O / l, lse = m + log2(l); a row without keys: o = 0, lse = -inf
+            for h in T.unroll(2):
+                lsum[h] = T.cuda.warp_reduce(lsum[h], "sum", 4)
+                rinv[h] = T.if_then_else(lsum[h] == T.float32(0), T.float32(0), T.float32(1) / lsum[h])
+            for h in T.unroll(2):
+                if (w * 16 + lane // 4 + 8 * h) // group < sv[BLOCK.ntok]:
+                    for dn in T.unroll(DN):
+                        T.ptx[cvt](pk[0], o_acc[dn, 2 * h + 1] * rinv[h], o_acc[dn, 2 * h] * rinv[h])  # hi, lo
+                        o_pairs[
+                            (
+                                (sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group) * H_qo
+                                + hk * group
+                                + (w * 16 + lane // 4 + 8 * h) % group
+                            )
+                            * (D // 2)
+                            + dn * 4
+                            + lane % 4
+                        ] = pk[0]
+                    if lane % 4 == 0:
+                        lse[
+                            sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group,
+                            hk * group + (w * 16 + lane // 4 + 8 * h) % group,
+                        ] = T.if_then_else(lsum[h] == T.float32(0), T.float32(neg_inf), m[h] + T.log2(lsum[h]))
+
+    if paged:
+        return paged_prefill_func(spec, fa_body)
+    return ragged_prefill_func(spec, fa_body)
