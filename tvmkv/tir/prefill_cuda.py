@@ -180,6 +180,166 @@ def prefill_layout(
     }
 
 
+# What the tensor-core schedules share (this module's mma.sync one and tvmkv.tir.prefill_hopper's
+# wgmma one): the same work decomposition, GQA packing, causal range, score-register layout (per warp
+# m16n8 groups: regs 0, 1 -> row g, regs 2, 3 -> row g + 8) and output.
+BlockMacros = namedtuple("BlockMacros", "locate key_range softmax store")
+
+
+def block_macros(spec: KernelSpec, *, source: str, mask: str, RT: int, NW: int, BC: int) -> BlockMacros:
+    """The TVMScript macros of a prefill block both tensor-core schedules expand (``RT`` tokens and
+    ``NW`` warps a block, ``BC`` keys a tile); they read the signature's buffers by name and take the
+    kernel's state as arguments:
+
+    * ``locate(bx, sv)``: the block's sequence (binary search over ``q_indptr``) and tile ``lt``
+      (``< 0``: an idle tile id);
+    * ``key_range(tx, lane, w, sv, rpos, red, pf32)``: the tile's tokens, the sequence's keys, the
+      causal bound of the thread's rows, the key tiles to scan (``nkt``) and the first key that needs
+      the mask (``kfull``); block-wide (a barrier in paged causal);
+    * ``softmax(kt, lane, sv, rpos, s, m, lsum, mx, base, alpha, sl2, o_acc, rescale)``: mask tile
+      ``kt``'s scores and turn them into ``P``; ``alpha`` holds the factor ``O`` is scaled by, here when
+      ``rescale`` (a Python bool), else by the caller once no wgmma is accumulating into ``O``;
+    * ``store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)``: ``o = O / l`` as packed pairs and
+      ``lse = m + log2(l)``; a row without keys gets ``o = 0``, ``lse = -inf``.
+    """
+    H_qo, H_kv, D, P, group = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.group
+    paged = source == "paged"
+    causal = mask == "causal"
+    cvt = CVT[spec.dtype]
+    NI = BC // 8  # n8 score groups of a warp
+    DN = D // 8  # n8 output groups of a warp
+    neg_inf = float("-inf")
+
+    @macro
+    def locate(bx, sv):
+        # largest b with tile_start(b) <= tile id; the last (heaviest causal) tile of a sequence first
+        sv[BLOCK.lo] = 0
+        sv[BLOCK.hi] = B
+        while sv[BLOCK.hi] - sv[BLOCK.lo] > 1:
+            if (
+                tile_start(q_indptr[(sv[BLOCK.lo] + sv[BLOCK.hi]) // 2], (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2, RT)
+                <= bx // H_kv
+            ):
+                sv[BLOCK.lo] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
+            else:
+                sv[BLOCK.hi] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
+        sv[BLOCK.b] = sv[BLOCK.lo]
+        sv[BLOCK.qbase] = q_indptr[sv[BLOCK.b]]
+        sv[BLOCK.ntile] = (q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase] + RT - 1) // RT
+        sv[BLOCK.lt] = sv[BLOCK.ntile] - 1 - (bx // H_kv - tile_start(sv[BLOCK.qbase], sv[BLOCK.b], RT))
+
+    @macro
+    def key_range(tx, lane, w, sv, rpos, red, pf32):
+        sv[BLOCK.t0] = sv[BLOCK.qbase] + sv[BLOCK.lt] * RT
+        sv[BLOCK.ntok] = T.min(RT, q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.t0])
+        if paged:
+            sv[BLOCK.kbase] = page_indptr[sv[BLOCK.b]]
+            sv[BLOCK.kv_len] = 0
+            if page_indptr[sv[BLOCK.b] + 1] > page_indptr[sv[BLOCK.b]]:
+                sv[BLOCK.kv_len] = (page_indptr[sv[BLOCK.b] + 1] - page_indptr[sv[BLOCK.b]] - 1) * P + last_page_len[
+                    sv[BLOCK.b]
+                ]
+        else:
+            sv[BLOCK.kbase] = sv[BLOCK.qbase]
+            sv[BLOCK.kv_len] = q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase]
+        # causal bound of this thread's rows (w * 16 + g and + 8), token clamped into the tile
+        for h in T.unroll(2):
+            if paged:
+                rpos[h] = q_pos[sv[BLOCK.t0] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)]
+            else:
+                rpos[h] = (
+                    sv[BLOCK.t0] - sv[BLOCK.qbase] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)
+                )
+        # key range of the block: scan [0, kend), mask from kfull on
+        if causal:
+            if paged:
+                pf32[0] = T.Cast("float32", q_pos[sv[BLOCK.t0] + T.min(tx % RT, sv[BLOCK.ntok] - 1)])
+                pf32[1] = T.cuda.warp_reduce(pf32[0], "max", WARP)
+                pf32[0] = T.cuda.warp_reduce(-pf32[0], "max", WARP)
+                if lane == 0:
+                    red[0, w] = pf32[1]
+                    red[1, w] = pf32[0]
+                T.tvm_storage_sync("shared")
+                pf32[1] = red[0, 0]
+                pf32[0] = red[1, 0]
+                for k2 in T.unroll(1, NW):
+                    pf32[1] = T.max(pf32[1], red[0, k2])
+                    pf32[0] = T.max(pf32[0], red[1, k2])
+                sv[BLOCK.nkt] = T.max(T.min(sv[BLOCK.kv_len], T.Cast("int32", pf32[1]) + 1), 0)
+                sv[BLOCK.kfull] = T.max(T.min(sv[BLOCK.kv_len], 1 - T.Cast("int32", pf32[0])), 0)
+            else:
+                sv[BLOCK.nkt] = sv[BLOCK.t0] - sv[BLOCK.qbase] + sv[BLOCK.ntok]
+                sv[BLOCK.kfull] = sv[BLOCK.t0] - sv[BLOCK.qbase] + 1
+        else:
+            sv[BLOCK.nkt] = sv[BLOCK.kv_len]
+            sv[BLOCK.kfull] = sv[BLOCK.kv_len]
+        sv[BLOCK.nkt] = (sv[BLOCK.nkt] + BC - 1) // BC
+
+    @macro
+    def softmax(kt, lane, sv, rpos, s, m, lsum, mx, base, alpha, sl2, o_acc, rescale):
+        # ---- mask (only tiles past the smallest row bound or the sequence end)
+        if (kt + 1) * BC > sv[BLOCK.kfull]:
+            for ni in T.unroll(NI):
+                for r in T.unroll(4):
+                    if causal:
+                        s[ni, r] = T.if_then_else(
+                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < T.min(sv[BLOCK.kv_len], rpos[r // 2] + 1),
+                            s[ni, r],
+                            T.float32(neg_inf),
+                        )
+                    else:
+                        s[ni, r] = T.if_then_else(
+                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < sv[BLOCK.kv_len], s[ni, r], T.float32(neg_inf)
+                        )
+        # ---- online softmax on the accumulators in base 2
+        for h in T.unroll(2):
+            mx[h] = T.max(s[0, 2 * h], s[0, 2 * h + 1])
+            for ni in T.unroll(1, NI):
+                mx[h] = T.max(mx[h], T.max(s[ni, 2 * h], s[ni, 2 * h + 1]))
+            mx[h] = T.max(m[h], T.cuda.warp_reduce(mx[h], "max", 4) * sl2[0])  # 4 lanes share a row
+            # subtract a finite base: a row with no visible key so far keeps p = 0, alpha = 0
+            base[h] = T.if_then_else(mx[h] == T.float32(neg_inf), T.float32(0), mx[h])
+            alpha[h] = T.exp2(m[h] - base[h])
+            m[h] = mx[h]
+            lsum[h] = lsum[h] * alpha[h]
+            for ni in T.unroll(NI):
+                for c in T.unroll(2):
+                    s[ni, 2 * h + c] = T.exp2(s[ni, 2 * h + c] * sl2[0] - base[h])
+                    lsum[h] = lsum[h] + s[ni, 2 * h + c]
+            if rescale:  # (a Python bool) O *= alpha here; else the caller does it when O is free
+                for dn in T.unroll(DN):
+                    for c in T.unroll(2):
+                        o_acc[dn, 2 * h + c] = o_acc[dn, 2 * h + c] * alpha[h]
+
+    @macro
+    def store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs):
+        # one reciprocal per row (a NaN l, from NaN inputs, propagates); o leaves as packed element pairs
+        for h in T.unroll(2):
+            lsum[h] = T.cuda.warp_reduce(lsum[h], "sum", 4)
+            rinv[h] = T.if_then_else(lsum[h] == T.float32(0), T.float32(0), T.float32(1) / lsum[h])
+        for h in T.unroll(2):
+            if (w * 16 + lane // 4 + 8 * h) // group < sv[BLOCK.ntok]:
+                for dn in T.unroll(DN):
+                    T.ptx[cvt](pk[0], o_acc[dn, 2 * h + 1] * rinv[h], o_acc[dn, 2 * h] * rinv[h])  # hi, lo
+                    o_pairs[
+                        (
+                            (sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group) * H_qo
+                            + hk * group
+                            + (w * 16 + lane // 4 + 8 * h) % group
+                        )
+                        * (D // 2)
+                        + dn * 4
+                        + lane % 4
+                    ] = pk[0]
+                if lane % 4 == 0:
+                    lse[
+                        sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group,
+                        hk * group + (w * 16 + lane // 4 + 8 * h) % group,
+                    ] = T.if_then_else(lsum[h] == T.float32(0), T.float32(neg_inf), m[h] + T.log2(lsum[h]))
+
+    return BlockMacros(locate, key_range, softmax, store)
+
+
 def make_prefill_cuda(
     spec: KernelSpec,
     *,
@@ -204,7 +364,6 @@ def make_prefill_cuda(
     LOGP = P.bit_length() - 1
     PMASK = P - 1
     paged = source == "paged"
-    causal = mask == "causal"
     mma = MMA[dtype]
     cvt = CVT[dtype]
     NI = BC // 8  # n8 score tiles per warp
@@ -216,6 +375,7 @@ def make_prefill_cuda(
         min_blocks = DEFAULT_MIN_BLOCKS[source]
     MIN_BLOCKS = int(min_blocks or 0)  # __launch_bounds__(NT, MIN_BLOCKS): caps registers per thread
     bound_blocks = MIN_BLOCKS > 0
+    blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC)
 
     @macro
     def fetch_pid(th, kt):
@@ -299,38 +459,7 @@ def make_prefill_cuda(
                         s[nj * 2 + half, 2],
                         s[nj * 2 + half, 3],
                     )
-        # ---- mask (only tiles past the smallest row bound or the sequence end)
-        if (kt + 1) * BC > sv[BLOCK.kfull]:
-            for ni in T.unroll(NI):
-                for r in T.unroll(4):
-                    if causal:
-                        s[ni, r] = T.if_then_else(
-                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < T.min(sv[BLOCK.kv_len], rpos[r // 2] + 1),
-                            s[ni, r],
-                            T.float32(neg_inf),
-                        )
-                    else:
-                        s[ni, r] = T.if_then_else(
-                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < sv[BLOCK.kv_len], s[ni, r], T.float32(neg_inf)
-                        )
-        # ---- online softmax on the accumulators: regs 0, 1 -> row g, regs 2, 3 -> row g + 8
-        for h in T.unroll(2):
-            mx[h] = T.max(s[0, 2 * h], s[0, 2 * h + 1])
-            for ni in T.unroll(1, NI):
-                mx[h] = T.max(mx[h], T.max(s[ni, 2 * h], s[ni, 2 * h + 1]))
-            mx[h] = T.max(m[h], T.cuda.warp_reduce(mx[h], "max", 4) * sl2[0])  # 4 lanes share a row
-            # subtract a finite base: a row with no visible key so far keeps p = 0, alpha = 0
-            base[h] = T.if_then_else(mx[h] == T.float32(neg_inf), T.float32(0), mx[h])
-            alpha[h] = T.exp2(m[h] - base[h])
-            m[h] = mx[h]
-            lsum[h] = lsum[h] * alpha[h]
-            for ni in T.unroll(NI):
-                for c in T.unroll(2):
-                    s[ni, 2 * h + c] = T.exp2(s[ni, 2 * h + c] * sl2[0] - base[h])
-                    lsum[h] = lsum[h] + s[ni, 2 * h + c]
-            for dn in T.unroll(DN):
-                for c in T.unroll(2):
-                    o_acc[dn, 2 * h + c] = o_acc[dn, 2 * h + c] * alpha[h]
+        blk.softmax(kt, lane, sv, rpos, s, m, lsum, mx, base, alpha, sl2, o_acc, True)
         # ---- O += P V: S tiles (2kk, 2kk+1) are the A fragment of key step kk
         for kk in T.unroll(BC // 16):
             T.ptx[cvt](pf[0], s[2 * kk, 1], s[2 * kk, 0])  # hi, lo
@@ -421,70 +550,10 @@ def make_prefill_cuda(
             )
         )
 
-        # ---- which sequence and tile: largest b with tile_start(b) <= tile id (binary search)
-        sv[BLOCK.lo] = 0
-        sv[BLOCK.hi] = B
-        while sv[BLOCK.hi] - sv[BLOCK.lo] > 1:
-            if (
-                tile_start(q_indptr[(sv[BLOCK.lo] + sv[BLOCK.hi]) // 2], (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2, RT)
-                <= bx // H_kv
-            ):
-                sv[BLOCK.lo] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
-            else:
-                sv[BLOCK.hi] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
-        sv[BLOCK.b] = sv[BLOCK.lo]
-        sv[BLOCK.qbase] = q_indptr[sv[BLOCK.b]]
-        sv[BLOCK.ntile] = (q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase] + RT - 1) // RT
-        sv[BLOCK.lt] = (
-            sv[BLOCK.ntile] - 1 - (bx // H_kv - tile_start(sv[BLOCK.qbase], sv[BLOCK.b], RT))
-        )  # last tile first
+        # ---- which sequence and tile; its tokens and key range
+        blk.locate(bx, sv)
         if sv[BLOCK.lt] >= 0:
-            sv[BLOCK.t0] = sv[BLOCK.qbase] + sv[BLOCK.lt] * RT
-            sv[BLOCK.ntok] = T.min(RT, q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.t0])
-            if paged:
-                sv[BLOCK.kbase] = page_indptr[sv[BLOCK.b]]
-                sv[BLOCK.kv_len] = 0
-                if page_indptr[sv[BLOCK.b] + 1] > page_indptr[sv[BLOCK.b]]:
-                    sv[BLOCK.kv_len] = (
-                        page_indptr[sv[BLOCK.b] + 1] - page_indptr[sv[BLOCK.b]] - 1
-                    ) * P + last_page_len[sv[BLOCK.b]]
-            else:
-                sv[BLOCK.kbase] = sv[BLOCK.qbase]
-                sv[BLOCK.kv_len] = q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase]
-            # causal bound of this thread's rows (w * 16 + g and + 8), token clamped into the tile
-            for h in T.unroll(2):
-                if paged:
-                    rpos[h] = q_pos[sv[BLOCK.t0] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)]
-                else:
-                    rpos[h] = (
-                        sv[BLOCK.t0]
-                        - sv[BLOCK.qbase]
-                        + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)
-                    )
-            # key range of the block: scan [0, kend), mask from kfull on
-            if causal:
-                if paged:
-                    pf32[0] = T.Cast("float32", q_pos[sv[BLOCK.t0] + T.min(tx % RT, sv[BLOCK.ntok] - 1)])
-                    pf32[1] = T.cuda.warp_reduce(pf32[0], "max", WARP)
-                    pf32[0] = T.cuda.warp_reduce(-pf32[0], "max", WARP)
-                    if lane == 0:
-                        red[0, w] = pf32[1]
-                        red[1, w] = pf32[0]
-                    T.tvm_storage_sync("shared")
-                    pf32[1] = red[0, 0]
-                    pf32[0] = red[1, 0]
-                    for k2 in T.unroll(1, NW):
-                        pf32[1] = T.max(pf32[1], red[0, k2])
-                        pf32[0] = T.max(pf32[0], red[1, k2])
-                    sv[BLOCK.nkt] = T.max(T.min(sv[BLOCK.kv_len], T.Cast("int32", pf32[1]) + 1), 0)
-                    sv[BLOCK.kfull] = T.max(T.min(sv[BLOCK.kv_len], 1 - T.Cast("int32", pf32[0])), 0)
-                else:
-                    sv[BLOCK.nkt] = sv[BLOCK.t0] - sv[BLOCK.qbase] + sv[BLOCK.ntok]
-                    sv[BLOCK.kfull] = sv[BLOCK.t0] - sv[BLOCK.qbase] + 1
-            else:
-                sv[BLOCK.nkt] = sv[BLOCK.kv_len]
-                sv[BLOCK.kfull] = sv[BLOCK.kv_len]
-            sv[BLOCK.nkt] = (sv[BLOCK.nkt] + BC - 1) // BC
+            blk.key_range(tx, lane, w, sv, rpos, red, pf32)
             sl2[0] = sm_scale * T.float32(LOG2E)
             for h in T.unroll(2):
                 m[h] = T.float32(neg_inf)
@@ -531,30 +600,8 @@ def make_prefill_cuda(
                 tile_body(th, kt)
             T.ptx["cp.async.wait_group"](0)
 
-            # ---- o = O / l, lse = m + log2(l); a row without keys: o = 0, lse = -inf (a NaN l, from
-            # NaN inputs, propagates). One reciprocal per row; o leaves as packed pairs (32-bit stores).
-            for h in T.unroll(2):
-                lsum[h] = T.cuda.warp_reduce(lsum[h], "sum", 4)
-                rinv[h] = T.if_then_else(lsum[h] == T.float32(0), T.float32(0), T.float32(1) / lsum[h])
-            for h in T.unroll(2):
-                if (w * 16 + lane // 4 + 8 * h) // group < sv[BLOCK.ntok]:
-                    for dn in T.unroll(DN):
-                        T.ptx[cvt](pk[0], o_acc[dn, 2 * h + 1] * rinv[h], o_acc[dn, 2 * h] * rinv[h])  # hi, lo
-                        o_pairs[
-                            (
-                                (sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group) * H_qo
-                                + hk * group
-                                + (w * 16 + lane // 4 + 8 * h) % group
-                            )
-                            * (D // 2)
-                            + dn * 4
-                            + lane % 4
-                        ] = pk[0]
-                    if lane % 4 == 0:
-                        lse[
-                            sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group,
-                            hk * group + (w * 16 + lane // 4 + 8 * h) % group,
-                        ] = T.if_then_else(lsum[h] == T.float32(0), T.float32(neg_inf), m[h] + T.log2(lsum[h]))
+            # ---- o = O / l, lse = m + log2(l)
+            blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
 
     if paged:
         return paged_prefill_func(spec, fa_body)

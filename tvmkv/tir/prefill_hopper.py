@@ -57,7 +57,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro
 from .attention import paged_prefill_func, ragged_prefill_func
-from .prefill_cuda import BLOCK, CP16, CVT, kv_rc, load_rc, tile_start
+from .prefill_cuda import BLOCK, CP16, CVT, block_macros, kv_rc, load_rc
 from .spec import KernelSpec
 
 HOPPER_ARCHS = ("sm_90",)
@@ -168,7 +168,6 @@ def make_prefill_hopper(
     LOGP = P.bit_length() - 1
     PMASK = P - 1
     paged = source == "paged"
-    causal = mask == "causal"
     wg_s = wgmma_op(BC, dtype)
     wg_o = wgmma_op(D, dtype)
     cvt = CVT[dtype]
@@ -178,6 +177,7 @@ def make_prefill_hopper(
     KB = BC // 16  # k16 steps of P V
     NW = NT // WARP
     PREFETCH = ST - 2 if overlap or pingpong else ST - 1  # tiles in flight ahead of the one computed
+    blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC)
     Q_OFF = 0
 
     def k_off(st):  # element offset of ring slot st's K tile (V follows it)
@@ -261,39 +261,6 @@ def make_prefill_hopper(
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @macro
-    def softmax(kt):
-        # mask (only tiles past the smallest row bound or the sequence end), then the online softmax on
-        # the score accumulators (regs 0, 1 -> row g, regs 2, 3 -> row g + 8): s becomes P, alpha the
-        # factor O still has to be scaled by (rescale_o)
-        if (kt + 1) * BC > sv[BLOCK.kfull]:
-            for ni in T.unroll(NI):
-                for r in T.unroll(4):
-                    if causal:
-                        s[ni, r] = T.if_then_else(
-                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < T.min(sv[BLOCK.kv_len], rpos[r // 2] + 1),
-                            s[ni, r],
-                            T.float32(neg_inf),
-                        )
-                    else:
-                        s[ni, r] = T.if_then_else(
-                            kt * BC + ni * 8 + lane % 4 * 2 + r % 2 < sv[BLOCK.kv_len], s[ni, r], T.float32(neg_inf)
-                        )
-        for h in T.unroll(2):
-            mx[h] = T.max(s[0, 2 * h], s[0, 2 * h + 1])
-            for ni in T.unroll(1, NI):
-                mx[h] = T.max(mx[h], T.max(s[ni, 2 * h], s[ni, 2 * h + 1]))
-            mx[h] = T.max(m[h], T.cuda.warp_reduce(mx[h], "max", 4) * sl2[0])  # 4 lanes share a row
-            # subtract a finite base: a row with no visible key so far keeps p = 0, alpha = 0
-            base[h] = T.if_then_else(mx[h] == T.float32(neg_inf), T.float32(0), mx[h])
-            alpha[h] = T.exp2(m[h] - base[h])
-            m[h] = mx[h]
-            lsum[h] = lsum[h] * alpha[h]
-            for ni in T.unroll(NI):
-                for c in T.unroll(2):
-                    s[ni, 2 * h + c] = T.exp2(s[ni, 2 * h + c] * sl2[0] - base[h])
-                    lsum[h] = lsum[h] + s[ni, 2 * h + c]
-
-    @macro
     def rescale_o():
         for h in T.unroll(2):
             for dn in T.unroll(DN):
@@ -329,7 +296,7 @@ def make_prefill_hopper(
             T.ptx["wgmma.fence.sync.aligned"]()
             issue_s(kt % ST)
             T.ptx["wgmma.wait_group.sync.aligned"](0)
-            softmax(kt)
+            blk.softmax(kt, lane, sv, rpos, s, m, lsum, mx, base, alpha, sl2, o_acc, False)
             rescale_o()
             to_p()
             T.ptx["wgmma.fence.sync.aligned"]()
@@ -349,7 +316,7 @@ def make_prefill_hopper(
             T.ptx["wgmma.fence.sync.aligned"]()
             issue_s(0)
             T.ptx["wgmma.wait_group.sync.aligned"](0)
-            softmax(0)
+            blk.softmax(0, lane, sv, rpos, s, m, lsum, mx, base, alpha, sl2, o_acc, False)
             to_p()
             for kt in T.serial(1, sv[BLOCK.nkt]):
                 land(kt, ST - 2)
@@ -357,7 +324,7 @@ def make_prefill_hopper(
                 issue_s(kt % ST)
                 issue_pv((kt + ST - 1) % ST)
                 T.ptx["wgmma.wait_group.sync.aligned"](1)  # S of tile kt (groups complete in order)
-                softmax(kt)
+                blk.softmax(kt, lane, sv, rpos, s, m, lsum, mx, base, alpha, sl2, o_acc, False)
                 T.ptx["wgmma.wait_group.sync.aligned"](0)  # P V of tile kt - 1: O and P are free again
                 rescale_o()
                 to_p()
@@ -404,7 +371,7 @@ def make_prefill_hopper(
             T.ptx["barrier.arrive.aligned"](T.uint32(2 - wg), T.uint32(NT))
             refill(0)
             T.ptx["wgmma.wait_group.sync.aligned"](0)
-            softmax(0)
+            blk.softmax(0, lane, sv, rpos, s, m, lsum, mx, base, alpha, sl2, o_acc, False)
             to_p()
             for kt in T.serial(1, sv[BLOCK.nkt]):
                 full_wait(kt)
@@ -415,7 +382,7 @@ def make_prefill_hopper(
                 T.ptx["barrier.arrive.aligned"](T.uint32(2 - wg), T.uint32(NT))
                 refill(kt)
                 T.ptx["wgmma.wait_group.sync.aligned"](1)  # S of tile kt
-                softmax(kt)
+                blk.softmax(kt, lane, sv, rpos, s, m, lsum, mx, base, alpha, sl2, o_acc, False)
                 T.ptx["wgmma.wait_group.sync.aligned"](0)  # P V of tile kt - 1
                 T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([ST + (kt + ST - 1) % ST]))
                 rescale_o()
@@ -468,70 +435,10 @@ def make_prefill_hopper(
         pk = T.alloc_buffer((1,), "uint32", scope="local")
         o_pairs = T.decl_buffer((n * H_qo * D // 2,), "uint32", data=o.data)  # o as packed element pairs
 
-        # ---- which sequence and tile: largest b with tile_start(b) <= tile id (binary search)
-        sv[BLOCK.lo] = 0
-        sv[BLOCK.hi] = B
-        while sv[BLOCK.hi] - sv[BLOCK.lo] > 1:
-            if (
-                tile_start(q_indptr[(sv[BLOCK.lo] + sv[BLOCK.hi]) // 2], (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2, RT)
-                <= bx // H_kv
-            ):
-                sv[BLOCK.lo] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
-            else:
-                sv[BLOCK.hi] = (sv[BLOCK.lo] + sv[BLOCK.hi]) // 2
-        sv[BLOCK.b] = sv[BLOCK.lo]
-        sv[BLOCK.qbase] = q_indptr[sv[BLOCK.b]]
-        sv[BLOCK.ntile] = (q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase] + RT - 1) // RT
-        sv[BLOCK.lt] = (
-            sv[BLOCK.ntile] - 1 - (bx // H_kv - tile_start(sv[BLOCK.qbase], sv[BLOCK.b], RT))
-        )  # last tile first
+        # ---- which sequence and tile; its tokens and key range (shared with prefill_cuda)
+        blk.locate(bx, sv)
         if sv[BLOCK.lt] >= 0:
-            sv[BLOCK.t0] = sv[BLOCK.qbase] + sv[BLOCK.lt] * RT
-            sv[BLOCK.ntok] = T.min(RT, q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.t0])
-            if paged:
-                sv[BLOCK.kbase] = page_indptr[sv[BLOCK.b]]
-                sv[BLOCK.kv_len] = 0
-                if page_indptr[sv[BLOCK.b] + 1] > page_indptr[sv[BLOCK.b]]:
-                    sv[BLOCK.kv_len] = (
-                        page_indptr[sv[BLOCK.b] + 1] - page_indptr[sv[BLOCK.b]] - 1
-                    ) * P + last_page_len[sv[BLOCK.b]]
-            else:
-                sv[BLOCK.kbase] = sv[BLOCK.qbase]
-                sv[BLOCK.kv_len] = q_indptr[sv[BLOCK.b] + 1] - sv[BLOCK.qbase]
-            # causal bound of this thread's rows (w * 16 + g and + 8), token clamped into the tile
-            for h in T.unroll(2):
-                if paged:
-                    rpos[h] = q_pos[sv[BLOCK.t0] + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)]
-                else:
-                    rpos[h] = (
-                        sv[BLOCK.t0]
-                        - sv[BLOCK.qbase]
-                        + T.min((w * 16 + lane // 4 + 8 * h) // group, sv[BLOCK.ntok] - 1)
-                    )
-            # key range of the block: scan [0, kend), mask from kfull on
-            if causal:
-                if paged:
-                    pf32[0] = T.Cast("float32", q_pos[sv[BLOCK.t0] + T.min(tx % RT, sv[BLOCK.ntok] - 1)])
-                    pf32[1] = T.cuda.warp_reduce(pf32[0], "max", WARP)
-                    pf32[0] = T.cuda.warp_reduce(-pf32[0], "max", WARP)
-                    if lane == 0:
-                        red[0, w] = pf32[1]
-                        red[1, w] = pf32[0]
-                    T.tvm_storage_sync("shared")
-                    pf32[1] = red[0, 0]
-                    pf32[0] = red[1, 0]
-                    for k2 in T.unroll(1, NW):
-                        pf32[1] = T.max(pf32[1], red[0, k2])
-                        pf32[0] = T.max(pf32[0], red[1, k2])
-                    sv[BLOCK.nkt] = T.max(T.min(sv[BLOCK.kv_len], T.Cast("int32", pf32[1]) + 1), 0)
-                    sv[BLOCK.kfull] = T.max(T.min(sv[BLOCK.kv_len], 1 - T.Cast("int32", pf32[0])), 0)
-                else:
-                    sv[BLOCK.nkt] = sv[BLOCK.t0] - sv[BLOCK.qbase] + sv[BLOCK.ntok]
-                    sv[BLOCK.kfull] = sv[BLOCK.t0] - sv[BLOCK.qbase] + 1
-            else:
-                sv[BLOCK.nkt] = sv[BLOCK.kv_len]
-                sv[BLOCK.kfull] = sv[BLOCK.kv_len]
-            sv[BLOCK.nkt] = (sv[BLOCK.nkt] + BC - 1) // BC
+            blk.key_range(tx, lane, w, sv, rpos, red, pf32)
             sl2[0] = sm_scale * T.float32(LOG2E)
             for h in T.unroll(2):
                 m[h] = T.float32(neg_inf)
@@ -580,29 +487,8 @@ def make_prefill_hopper(
                 tiles_serial()
             T.ptx["cp.async.wait_group"](0)
 
-            # ---- o = O / l, lse = m + log2(l); a row without keys: o = 0, lse = -inf
-            for h in T.unroll(2):
-                lsum[h] = T.cuda.warp_reduce(lsum[h], "sum", 4)
-                rinv[h] = T.if_then_else(lsum[h] == T.float32(0), T.float32(0), T.float32(1) / lsum[h])
-            for h in T.unroll(2):
-                if (w * 16 + lane // 4 + 8 * h) // group < sv[BLOCK.ntok]:
-                    for dn in T.unroll(DN):
-                        T.ptx[cvt](pk[0], o_acc[dn, 2 * h + 1] * rinv[h], o_acc[dn, 2 * h] * rinv[h])  # hi, lo
-                        o_pairs[
-                            (
-                                (sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group) * H_qo
-                                + hk * group
-                                + (w * 16 + lane // 4 + 8 * h) % group
-                            )
-                            * (D // 2)
-                            + dn * 4
-                            + lane % 4
-                        ] = pk[0]
-                    if lane % 4 == 0:
-                        lse[
-                            sv[BLOCK.t0] + (w * 16 + lane // 4 + 8 * h) // group,
-                            hk * group + (w * 16 + lane // 4 + 8 * h) % group,
-                        ] = T.if_then_else(lsum[h] == T.float32(0), T.float32(neg_inf), m[h] + T.log2(lsum[h]))
+            # ---- o = O / l, lse = m + log2(l)
+            blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
 
     if paged:
         return paged_prefill_func(spec, fa_body)
