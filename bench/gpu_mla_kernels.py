@@ -2,19 +2,20 @@
 
 DeepSeek-V2's latent shape (D 576 = 512 + 64, fp16, page 16), decode ``B x L`` (one query row per
 sequence over ``L`` latent rows on random, non-contiguous pages), H 128 and 16. Each schedule runs as
-the cache would launch it: split into ``plan_split(B, L, blocks_per_seq, 32, num_sms)`` chunks
-(``mla_attention_split`` + ``mla_merge_splits``) or whole (``mla_attention``), ``blocks_per_seq`` =
-its thread blocks per query row. Contenders:
+the cache would launch it: split into ``plan_split(B, L, blocks_per_seq, tile_keys, num_sms,
+blocks_per_sm=...)`` chunks (``mla_attention_split`` + ``mla_merge_splits``) or whole
+(``mla_attention``), with the schedule's heads per block, keys per tile and blocks per SM
+(``tvmkv.tir.mla_layout``). Contenders (this checkout, see VARIANTS):
 
-- ``old``: the tensor-core schedule and merge of git ``--old-rev``;
-- ``new``: this checkout's defaults; ``new_*``: other ``tc_*`` keywords (see VARIANTS);
-- ``<name>@2x`` / ``new@4x``: split as if the device had 2x / 4x its SMs (2 / 4 blocks per SM); the
-  cache splits for ``tvmkv.tir.mla_layout.mla_blocks_per_sm`` blocks per SM (H200, fp16: 2 at H 16, 1 at
-  H 128);
+- ``mma``: the ``mma.sync`` schedule (what sm_80 / sm_89 build; sm_90 before the warpgroup-MMA one);
+- ``wg16`` / ``wg32``: the sm_90 warpgroup-MMA schedule (``tvmkv.tir.mla_hopper``), 16 / 32 heads a block;
+- ``<name>@2x``: split as if each SM held twice the blocks it does;
 - ``torch``: bmm (q @ latents^T, fp32 softmax, P @ latents[:, :, :512]) on contiguous latents.
 
 Errors: max abs difference of o from a float32 torch reference (and of the base-2 lse). Times:
-CUDA-event medians, device time (each call queued behind a GPU spin; bench/_common.CudaTimer).
+CUDA-event medians, device time (each call queued behind a GPU spin; bench/_common.CudaTimer); a
+device-to-device copy of the same bytes is timed in the same run (GB/s of the latents read once, and
+the copy's read + write rate beside it), and so is a read of them alone (``read``: torch's sum).
 
 Build machine::
 
@@ -31,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,52 +52,49 @@ CASES = [
     (16, 64, 4096),
     (16, 128, 2048),
 ]
-PLAN_SMS = (1, 2)  # each schedule split for 1 and 2 blocks per SM ("@2x"); "new@4x": the defaults for 4
-# make_mla_attention keywords of each schedule tried ({} = the defaults)
+PLAN_SMS = (1, 2)  # each schedule split for its blocks per SM and twice as many ("@2x")
+# make_mla_attention keywords of each schedule tried
 VARIANTS = {
-    128: {"new": {}, "new_t32": dict(tc_heads=32)},
-    16: {"new": {}, "new_s3": dict(tc_stages=3)},
+    128: {
+        "mma": {},
+        "wg32": dict(arch="sm_90"),
+        "wg32_k64s2": dict(arch="sm_90", wg_heads=32, wg_keys=64, wg_stages=2),
+        "wg32_1wg_k64s2": dict(arch="sm_90", wg_heads=32, wg_keys=64, wg_stages=2, wg_producer=False),
+        "wg16": dict(arch="sm_90", wg_heads=16),
+    },
+    16: {
+        "mma": {},
+        "wg16": dict(arch="sm_90"),
+        "wg16_k64s2": dict(arch="sm_90", wg_keys=64, wg_stages=2),
+        "wg16_k32s5": dict(arch="sm_90", wg_keys=32, wg_stages=5),
+        "wg16_1wg_k64s2": dict(arch="sm_90", wg_keys=64, wg_stages=2, wg_producer=False),
+    },
 }
 
 
-def _old_module(rev: str):
-    """``tvmkv/tir/mla.py`` of git ``rev`` as a module of its own (relative imports made absolute)."""
-    import importlib.util
-
-    src = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:tvmkv/tir/mla.py"], capture_output=True, text=True, check=True
-    ).stdout
-    src = src.replace("from .", "from tvmkv.tir.")
-    path = Path(tempfile.mkdtemp()) / "mla_old.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("mla_old", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def prepare(out: Path, arch: str, old_rev: str) -> None:
+def prepare(out: Path, arch: str) -> None:
     from tvmkv.build import compile_funcs, export_module
     from tvmkv.tir import mla, mla_layout
     from tvmkv.tir.spec import MlaSpec
 
-    old = _old_module(old_rev)
-    funcs, meta = {}, {"old_rev": old_rev, "arch": arch, "variants": {}}
+    funcs, meta = {}, {"arch": arch, "variants": {}}
     for H in sorted({c[0] for c in CASES}):
         spec = MlaSpec(H, LORA, ROPE, PAGE, "float16", "cuda", 192, 128)
-        funcs[f"old_h{H}"] = old.make_mla_attention(spec)
-        funcs[f"old_split_h{H}"] = old.make_mla_attention(spec, split=True)
-        # heads per block of the old schedule: 16 before the layout module existed
-        meta["variants"][f"old_h{H}"] = (
-            H // mla_layout.mla_split_granule(spec)[0] if hasattr(old, "use_tensor_cores") else 16
-        )
         for key, kw in VARIANTS[H].items():
             name = f"{key}_h{H}"
             funcs[name] = mla.make_mla_attention(spec, **kw)
-            funcs[name.replace("new", "new_split", 1)] = mla.make_mla_attention(spec, split=True, **kw)
-            meta["variants"][name] = kw.get("tc_heads") or H // mla_layout.mla_split_granule(spec)[0]
+            funcs[f"{key}_split_h{H}"] = mla.make_mla_attention(spec, split=True, **kw)
+            tile = dict(keys=kw.get("wg_keys", mla_layout.WG_KEYS), stages=kw.get("wg_stages", mla_layout.WG_STAGES))
+            hb = mla_layout.wgmma_heads(spec, kw.get("arch"), kw.get("wg_heads"), **tile)
+            if hb:  # the occupancy rule of mla_layout.mla_blocks_per_sm, for this variant's tiles
+                smem = mla_layout.wg_shared_bytes(spec, hb, **tile) + 4 * (2 * (tile["stages"] + 1) * 64 + 8 * hb)
+                bps = mla_layout.SHARED_PER_SM["9.0"] * 1024 // (smem + mla_layout.SHARED_RESERVED)
+                meta["variants"][name] = dict(blocks_per_seq=H // hb, tile_keys=tile["keys"], blocks_per_sm=bps)
+            else:
+                blocks_per_seq, tile_keys = mla_layout.mla_split_granule(spec)
+                bps = mla_layout.mla_blocks_per_sm(spec, "9.0")
+                meta["variants"][name] = dict(blocks_per_seq=blocks_per_seq, tile_keys=tile_keys, blocks_per_sm=bps)
     funcs["merge"] = mla.make_mla_merge_splits(MlaSpec(16, LORA, ROPE, PAGE, "float16", "cuda"))
-    funcs["old_merge"] = old.make_mla_merge_splits(MlaSpec(16, LORA, ROPE, PAGE, "float16", "cuda"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     fmt = export_module(compile_funcs(funcs, "cuda", arch), out / "kernels.so", "cuda", arch)
@@ -146,7 +142,14 @@ def torch_bmm(c):
     return run
 
 
-def kernel_run(c, mod, name, heads_per_block, num_sms):
+def _copier(src):
+    import torch
+
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def kernel_run(c, mod, name, v, mult, num_sms):
     import torch
     import tvm
 
@@ -159,7 +162,14 @@ def kernel_run(c, mod, name, heads_per_block, num_sms):
     def tv(x):  # the same memory as a tvm tensor
         return to_device(x, "torch", dev)
 
-    split = plan_split(B, L, blocks_per_seq=H // heads_per_block, tile_keys=32, num_sms=num_sms)
+    split = plan_split(
+        B,
+        L,
+        blocks_per_seq=v["blocks_per_seq"],
+        tile_keys=v["tile_keys"],
+        num_sms=num_sms,
+        blocks_per_sm=mult * v["blocks_per_sm"],
+    )
     o = torch.empty(B, H, LORA, dtype=torch.float16, device="cuda")
     lse = torch.empty(B, H, device="cuda")
     args = [tv(c[k]) for k in ("q", "q_indptr", "q_pos", "pages", "page_indptr", "page_indices", "last_page_len")]
@@ -170,10 +180,8 @@ def kernel_run(c, mod, name, heads_per_block, num_sms):
         op = torch.empty(S, B, H, LORA, device="cuda")
         lp = torch.empty(S, B, H, device="cuda")
         opt, lpt = tv(op), tv(lp)
-        f_split, f_merge = (
-            mod[name.replace("old", "old_split", 1).replace("new", "new_split", 1)],
-            mod["old_merge" if name.startswith("old") else "merge"],
-        )
+        key, h = name.rsplit("_", 1)
+        f_split, f_merge = mod[f"{key}_split_{h}"], mod["merge"]
 
         def run():
             f_split(*args, opt, lpt, np.float32(SCALE), np.int32(1), np.int32(split.kv_chunk))
@@ -200,7 +208,7 @@ def main_gpu(args) -> int:
     meta = json.loads((args.build_dir / "meta.json").read_text())
     card = torch.cuda.get_device_name(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{card}, {num_sms} SMs, old = git {meta['old_rev']}", flush=True)
+    print(f"{card}, {num_sms} SMs", flush=True)
     timer = CudaTimer(args.reps)
     rows, bad = [], 0
     for H, B, L in CASES:
@@ -211,9 +219,8 @@ def main_gpu(args) -> int:
         row = {"case": f"H{H} decode {B}x{L}", "MB": B * L * D * 2 / 1e6}
         names = [n for n in meta["variants"] if n.endswith(f"_h{H}")]
         plans = [(n, m, meta["variants"][n], "" if m == 1 else f"@{m}x") for n in names for m in PLAN_SMS]
-        plans.append((f"new_h{H}", 4, meta["variants"][f"new_h{H}"], "@4x"))
-        for name, mult, hpb, tag in plans:
-            run, o, lse, split = kernel_run(c, mod, name, hpb, mult * num_sms)
+        for name, mult, v, tag in plans:
+            run, o, lse, split = kernel_run(c, mod, name, v, mult, num_sms)
             run()
             torch.cuda.synchronize()
             err = float((o.float() - o_ref).abs().max())
@@ -226,6 +233,11 @@ def main_gpu(args) -> int:
         tb = torch_bmm(c)
         err = float((tb().float() - o_ref).abs().max())
         row["torch"] = dict(us=None if args.check_only else timer.time(tb), err=err)
+        if not args.check_only:  # a device-to-device copy of the latents (its rate counts read + write)
+            us = timer.time(_copier(c["lat"]))
+            row["copy"] = dict(us=us, err=0.0, rw_gbs=2 * row["MB"] * 1e6 / (us * 1e-6) / 1e9)
+            lat = c["lat"]
+            row["read"] = dict(us=timer.time(lambda: lat.sum(dtype=torch.float32)), err=0.0)  # noqa: B023
         print(json.dumps(row), flush=True)
         rows.append(row)
         c = None
@@ -240,7 +252,11 @@ def main_gpu(args) -> int:
             if not v or v.get("us") is None:
                 cells.append("-" if not v else f"err {v['err']:.1e}")
                 continue
-            cells.append(f"{v['us']:.1f} ({r['MB'] * 1e6 / (v['us'] * 1e-6) / 1e9:.0f}) [{v.get('S', '')}]")
+            gbs = r["MB"] * 1e6 / (v["us"] * 1e-6) / 1e9
+            if k == "copy":
+                cells.append(f"{v['us']:.1f} ({gbs:.0f}; read + write {v['rw_gbs']:.0f})")
+            else:
+                cells.append(f"{v['us']:.1f} ({gbs:.0f}) [{v.get('S', '')}]")
         lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.out:
@@ -253,7 +269,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prepare", type=Path, metavar="DIR", help="build machine: compile the kernels into DIR")
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--old-rev", default="4f17979", help="--prepare: git revision of the old schedule")
     ap.add_argument("--build-dir", type=Path, default=ROOT / "build" / "mla-kernels")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="the cases of at most 32 sequences")
@@ -262,7 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.prepare:
-        prepare(args.prepare, args.arch, args.old_rev)
+        prepare(args.prepare, args.arch)
         return 0
     return main_gpu(args)
 

@@ -29,9 +29,11 @@ CONFIGS = [
     ("float16", 16, 512, 64, 16, (192, 128)),
     ("float16", 32, 64, 32, 8, (32, 16)),
     ("bfloat16", 64, 128, 32, 16, (32, 16)),
+    ("bfloat16", 32, 128, 64, 4, (64, 32)),
 ]
-# cuda: the last four on tensor cores (h32 / h64: blocks of 32 / 64 heads, two / four m16 tiles)
-IDS = ["f16-p4", "bf16-p16", "f32-p16", "bf16-h16-p4", "deepseek-f16", "f16-h32-p8", "bf16-h64"]
+# cuda: the last five on tensor cores (h32 / h64: blocks of 32 / 64 heads, two / four m16 tiles); on
+# sm_90 deepseek-f16 and bf16-h32-d192 (D a multiple of 64) take warpgroup MMA (tvmkv.tir.mla_hopper)
+IDS = ["f16-p4", "bf16-p16", "f32-p16", "bf16-h16-p4", "deepseek-f16", "f16-h32-p8", "bf16-h64", "bf16-h32-d192"]
 
 
 def _spec(target, cfg) -> MlaSpec:

@@ -549,7 +549,7 @@ def family_kernels(key: BuildKey) -> dict:
     if key.family == "mla":
         from .tir import mla
 
-        return mla.kernel_set(key.spec)
+        return mla.kernel_set(key.spec, arch=key.arch)
     variant = {"rope_scaling": key.rope_scaling} if key.rope_scaling is not None else {}  # default: as before
     return tir.kernel_set(
         key.spec, rope_mode=key.rope_mode, sliding=key.sliding, local=key.local, arch=key.arch, **variant

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import CacheConfig
+from ..target import default_cuda_arch
 from ..tir import split_granule
 from ..tir.decode_layout import MERGE_MAX_SPLITS
 from ..tir.mla_layout import mla_blocks_per_sm, mla_split_granule
@@ -84,9 +85,10 @@ class Launcher:
         self.config, self.device, self.kernels, self.num_sms = config, device, kernels, num_sms
         self.blocks_per_sm = BLOCKS_PER_SM
         if config.is_mla:  # the blocks per query row and keys per latent tile of tvmkv.tir.mla's split kernel
-            self.granule = mla_split_granule(config.mla_spec) if "mla_attention_split" in kernels else None
+            arch = (config.cuda_arch or default_cuda_arch()) if config.target_kind == "cuda" else None
+            self.granule = mla_split_granule(config.mla_spec, arch) if "mla_attention_split" in kernels else None
             if num_sms > 0:
-                self.blocks_per_sm = mla_blocks_per_sm(config.mla_spec, device.compute_version)
+                self.blocks_per_sm = mla_blocks_per_sm(config.mla_spec, device.compute_version, arch)
         else:
             self.granule = split_granule(config.kernel_spec) if "paged_decode_split" in kernels else None
         if self.granule is None and (config.decode_splits or 1) > 1:

@@ -22,8 +22,10 @@ multiple of 64 (:func:`use_tensor_cores`): tensor cores (``mma.sync.m16n8k16``, 
 one block per (query row, up to ``TC_MAX_HEADS`` = 64 heads), P kept in registers, see the comment
 above ``gpu_tc_body`` (docs/layout.md, "MLA kernels"); on an H200 at DeepSeek-V2's shape (H 128, fp16,
 bench/gpu_mla_kernels.py) decode 64 x 4096 787 -> 476 us, 128 x 2048 799 -> 488 us (16-head blocks
-before; torch bmm 505 / 482 us). The SIMT schedule serves every other shape: one
-thread block per (query row, ``HB`` heads); each tile
+before; torch bmm 505 / 482 us). Built for sm_90, the tensor-core shapes with ``D`` a multiple of 64
+take the warpgroup-MMA schedule of :mod:`tvmkv.tir.mla_hopper` instead (its ``make_body``, with this
+module's row / key-range macros; at H 128 366 us, at H 16 128 x 2048 92 us). The SIMT schedule serves
+every other shape: one thread block per (query row, ``HB`` heads); each tile
 of ``TK = 32`` latent rows is copied into shared memory once (``cp.async``, double buffered: tile
 ``t + 1`` is in flight while tile ``t`` is used; rows padded so lane-per-key reads are conflict-free)
 and read by all ``HB`` heads: warp ``w`` owns ``HPW`` heads, lane ``c`` scores key ``c`` for each of
@@ -39,8 +41,11 @@ lane-per-key scores, then lanes over ``Dv2``.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tvm.script import tirx as T
 
+from . import mla_hopper
 from ._kernel_common import LOG2E, MAX_THREADS, NOALIAS, WARP, macro
 from ._kernel_common import slots as state_slots
 from .mla_layout import (
@@ -48,10 +53,16 @@ from .mla_layout import (
     QS_BYTES,
     TC_STAGES,
     TK,
+    WG_KEYS,
+    WG_PRODUCER,
+    WG_SMEM_LIMIT,
+    WG_STAGES,
+    WG_TILE_KEYS,
     divisor_at_most,
     tc_head_tiles,
     tc_shared_words,
     use_tensor_cores,
+    wgmma_heads,
 )
 from .prefill_cuda import CVT as RDV_CVT
 from .prefill_cuda import lane_kmajor_b, lane_rowmajor16, load_rc, tile_start
@@ -603,6 +614,11 @@ def make_mla_attention(
     tensor_cores: bool = True,
     tc_heads: int | None = None,
     tc_stages: int | None = None,
+    arch: str | None = None,
+    wg_heads: int | None = None,
+    wg_keys: int = WG_KEYS,
+    wg_stages: int = WG_STAGES,
+    wg_producer: bool = WG_PRODUCER,
 ):
     """``mla_attention(q, q_indptr, q_pos, pages, page_indptr, page_indices, last_page_len, kv_window,
     o, lse, sm_scale, causal)``: absorbed MLA attention of ragged query rows over the paged latent rows.
@@ -647,7 +663,11 @@ def make_mla_attention(
     the tiles full). ``tensor_cores=False`` forces the SIMT cuda schedule; ``tc_heads`` (a multiple of 16
     dividing H) and ``tc_stages`` (>= 2) override the tensor-core schedule's heads per block (default: the
     largest of at most ``TC_MAX_HEADS``) and latent-tile stages (``TC_STAGES``); :func:`mla_split_granule`
-    gives the split granule of the defaults.
+    gives the split granule of the defaults. ``arch`` is the CUDA arch the kernel is built for: sm_90
+    takes the warpgroup-MMA schedule of :mod:`tvmkv.tir.mla_hopper` where
+    :func:`tvmkv.tir.mla_layout.wgmma_heads` allows (``wg_heads``, ``wg_keys``, ``wg_stages``,
+    ``wg_producer``: its heads per block, 16 or 32, latent tiles, and whether a second warpgroup copies;
+    defaults: what the runtime plans for).
     """
     H, D, Dv, P, dtype = spec.num_heads, spec.head_dim, spec.latent_dim, spec.page_size, spec.dtype
     LOGP = P.bit_length() - 1
@@ -1203,8 +1223,27 @@ def make_mla_attention(
                         T.if_then_else(lsum[r // 2] == T.float32(0), T.float32(0), o_acc[dn, r] / lsum[r // 2]),
                     )
 
+    hb = wgmma_heads(spec, arch, wg_heads, wg_keys, wg_stages)
+    if not hb and (wg_heads is not None or (wg_keys, wg_stages) != (WG_KEYS, WG_STAGES)):
+        raise ValueError(
+            f"wg_heads={wg_heads}, wg_keys={wg_keys}, wg_stages={wg_stages}: the warpgroup-MMA schedule needs arch "
+            f"sm_90 (got {arch!r}), fp16 / bf16, 16 or 32 heads a block dividing num_heads {H}, head_dim / "
+            f"latent_dim multiples of 64, tiles of {WG_TILE_KEYS} keys, 2+ stages within {WG_SMEM_LIMIT} bytes of "
+            "shared memory; pass the defaults"
+        )
     if spec.is_cpu:
         body = cpu_body
+    elif tensor_cores and hb:
+        rows = SimpleNamespace(
+            find_sequence=find_sequence,
+            key_range=key_range,
+            key_slot=key_slot,
+            store_o=store_o,
+            store_lse=store_lse,
+            SEQ=SEQ,
+            KEYS=KEYS,
+        )
+        body = mla_hopper.make_body(spec, rows, hb, wg_keys, wg_stages, wg_producer)
     elif tensor_cores and use_tensor_cores(spec):
         body = gpu_tc_body
     else:
@@ -1704,20 +1743,20 @@ def make_ragged_attention_dv(
 # ---------------------------------------------------------------------------------------------------
 
 
-def kernel_set(spec: MlaSpec) -> dict:
+def kernel_set(spec: MlaSpec, arch: str | None = None) -> dict:
     """Every kernel of an MLA cache configuration, by name: ``mla_append``, ``mla_attention``,
     ``mla_attention_split`` and ``mla_merge_splits`` (flash-decoding over key chunks), ``mla_gather``,
     ``mla_copy_page``, ``merge_any``, and ``ragged_attention_dv`` when ``spec`` has self attention
-    dims."""
+    dims. ``arch``: the CUDA arch they are built for (sm_90: warpgroup-MMA attention)."""
     if not isinstance(spec, MlaSpec):
         raise TypeError(f"tvmkv.tir.mla.kernel_set takes an MlaSpec, got {type(spec).__name__}")
     kernels = {
         "mla_append": make_mla_append(spec),
-        "mla_attention": make_mla_attention(spec),
+        "mla_attention": make_mla_attention(spec, arch=arch),
         "mla_gather": make_mla_gather(spec),
         "mla_copy_page": make_mla_copy_page(spec),
         "merge_any": make_merge_any(spec),
-        "mla_attention_split": make_mla_attention(spec, split=True),
+        "mla_attention_split": make_mla_attention(spec, split=True, arch=arch),
         "mla_merge_splits": make_mla_merge_splits(spec),
     }
     if spec.has_self_attention:
