@@ -7,6 +7,8 @@ attention in NumPy fp64 over all of a sequence's tokens, with forks, pop_n and r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
@@ -21,42 +23,70 @@ P = 4
 SM = DQ**-0.5
 
 
-def _cache(target, dtype="float32", **kw):
-    opts = dict(page_size=P, max_batch_size=4, max_total_seq_len=96, prefill_chunk_size=32, dtype=dtype, target=target)
+@dataclass(frozen=True)
+class Dims:
+    """An MLA layer's sizes (the module's constants by default)."""
+
+    H: int = H
+    LORA: int = LORA
+    ROPE: int = ROPE
+    NOPE: int = NOPE
+    V: int = V
+    P: int = P
+
+    @property
+    def DQ(self) -> int:
+        return self.NOPE + self.ROPE
+
+    @property
+    def D(self) -> int:
+        return self.LORA + self.ROPE
+
+
+SMALL = Dims()
+# D 192 = 3 x 64, H 16: the shapes cuda builds for sm_90 run on warpgroup MMA (tvmkv.tir.mla_hopper)
+WIDE = Dims(H=16, LORA=128, ROPE=64, NOPE=64, V=64, P=16)
+
+
+def _cache(target, dtype="float32", d: Dims = SMALL, **kw):
+    opts = dict(page_size=d.P, max_batch_size=4, max_total_seq_len=96, prefill_chunk_size=32, dtype=dtype)
     opts.update(kw)
-    return tvmkv.PagedAttentionKVCache.mla(2, H, LORA, ROPE, **opts)
+    return tvmkv.PagedAttentionKVCache.mla(2, d.H, d.LORA, d.ROPE, target=target, **opts)
 
 
 class _Mla:
     """DeepSeek-V2's attention of one layer written out in NumPy fp64 (the reference), and its absorbed
     form's inputs (what the cache calls take)."""
 
-    def __init__(self, rng):
-        self.w_kv = rng.standard_normal((LORA, H, NOPE + V)) / np.sqrt(LORA)  # latent -> per-head k_nope, v
+    def __init__(self, rng, d: Dims = SMALL):
+        self.d = d
+        self.w_kv = rng.standard_normal((d.LORA, d.H, d.NOPE + d.V)) / np.sqrt(d.LORA)  # latent -> k_nope, v
         self.rows: dict = {}  # seq -> [L, D] stored rows (latent, k_pe)
 
     def kv_heads(self, rows):
         """Non-absorbed k [L, H, DQ] and v [L, H, V] of stored rows."""
-        kv = np.einsum("lc,chd->lhd", rows[:, :LORA], self.w_kv)
-        k_pe = np.repeat(rows[:, None, LORA:], H, axis=1)
-        return np.concatenate([kv[..., :NOPE], k_pe], -1), kv[..., NOPE:]
+        d = self.d
+        kv = np.einsum("lc,chd->lhd", rows[:, : d.LORA], self.w_kv)
+        k_pe = np.repeat(rows[:, None, d.LORA :], d.H, axis=1)
+        return np.concatenate([kv[..., : d.NOPE], k_pe], -1), kv[..., d.NOPE :]
 
     def absorb(self, q):
         """Absorbed queries [n, H, D] of q [n, H, DQ]: q_nope through W_UK, then q_pe."""
-        q_lat = np.einsum("nhd,chd->nhc", q[..., :NOPE], self.w_kv[..., :NOPE])
-        return np.concatenate([q_lat, q[..., NOPE:]], -1)
+        q_lat = np.einsum("nhd,chd->nhc", q[..., : self.d.NOPE], self.w_kv[..., : self.d.NOPE])
+        return np.concatenate([q_lat, q[..., self.d.NOPE :]], -1)
 
     def unabsorb(self, o_lat):
         """o [n, H, V] of the absorbed output o_lat [n, H, LORA] (through W_UV)."""
-        return np.einsum("nhc,chd->nhd", o_lat, self.w_kv[..., NOPE:])
+        return np.einsum("nhc,chd->nhd", o_lat, self.w_kv[..., self.d.NOPE :])
 
     def attend(self, q, rows, q_pos):
         """Causal attention of q [m, H, DQ] at q_pos over a sequence's rows [L, D]."""
+        d = self.d
         k, v = self.kv_heads(rows)
-        o = np.zeros((len(q), H, V))
+        o = np.zeros((len(q), d.H, d.V))
         for i, p in enumerate(q_pos):
-            for h in range(H):
-                s = k[: p + 1, h] @ q[i, h] * SM
+            for h in range(d.H):
+                s = k[: p + 1, h] @ q[i, h] * d.DQ**-0.5
                 w = np.exp(s - s.max())
                 o[i, h] = w @ v[: p + 1, h] / w.sum()
         return o
@@ -64,6 +94,8 @@ class _Mla:
 
 def _step(cache, ref, rng, batch, dtype, layers=(0, 1)):
     """One forward of ``batch`` [(seq, n)] through every layer as TVM's MLA test does; checks outputs."""
+    d = ref.d
+    H, D, DQ, SM = d.H, d.D, d.DQ, d.DQ**-0.5  # noqa: N806
     seq_ids, lens = [s for s, _ in batch], [n for _, n in batch]
     hist = {s: len(ref.rows.get(s, np.zeros((0, D)))) for s in seq_ids}
     decode = all(n == 1 for n in lens)
@@ -100,11 +132,13 @@ def _step(cache, ref, rng, batch, dtype, layers=(0, 1)):
         at += n
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_mla_prefill_decode_fork_popn(target, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "d"), [("float32", SMALL), ("float16", SMALL), ("float16", WIDE)], ids=["f32", "f16", "f16-d192"]
+)
+def test_mla_prefill_decode_fork_popn(target, dtype, d):
     rng = np.random.default_rng(0)
-    cache = _cache(target, dtype)
-    ref = _Mla(rng)
+    cache = _cache(target, dtype, d)
+    ref = _Mla(rng, d)
     for s in (0, 1, 2):
         cache.add_sequence(s)
     _step(cache, ref, rng, [(0, 5), (1, 3)], dtype)  # all new: self attention only (cross sees nothing)
@@ -122,7 +156,7 @@ def test_mla_prefill_decode_fork_popn(target, dtype):
     _step(cache, ref, rng, [(1, 1), (3, 1)], dtype)
     for s, rows in ref.rows.items():
         got = cache.debug_get_kv_mla(s)
-        assert got.shape == (2, len(rows), D) and cache.sequence_length(s) == len(rows)
+        assert got.shape == (2, len(rows), d.D) and cache.sequence_length(s) == len(rows)
         np.testing.assert_allclose(got[0].astype(np.float64), rows, atol=0, rtol=0)
     cache.check_integrity()
 
@@ -188,16 +222,17 @@ def test_mla_drop_in_globals(target):
     np.testing.assert_array_equal(out.numpy()[1], kv)
 
 
-def test_mla_split_decode(target):
-    """Flash-decoding over the latent rows (decode_splits=4: chunks of 32 keys merged) equals plain
-    attention; the repeat-decode fast path keeps the split."""
+@pytest.mark.parametrize(("dtype", "d"), [("float32", SMALL), ("float16", WIDE)], ids=["f32", "f16-d192"])
+def test_mla_split_decode(target, dtype, d):
+    """Flash-decoding over the latent rows (decode_splits=4: chunks of the kernel's tile keys, merged)
+    equals plain attention; the repeat-decode fast path keeps the split."""
     rng = np.random.default_rng(3)
-    cache = _cache(target, decode_splits=4)
-    ref = _Mla(rng)
+    cache = _cache(target, dtype, d, decode_splits=4)
+    ref = _Mla(rng, d)
     for s in (0, 1):
         cache.add_sequence(s)
-    _step(cache, ref, rng, [(0, 25), (1, 7)], "float32")
-    _step(cache, ref, rng, [(0, 25), (1, 2)], "float32")
+    _step(cache, ref, rng, [(0, 25), (1, 7)], dtype)
+    _step(cache, ref, rng, [(0, 25), (1, 2)], dtype)
     for _ in range(3):
         cache.begin_forward([0, 1], [1, 1])
         info = cache.debug_forward()
@@ -205,5 +240,5 @@ def test_mla_split_decode(target):
         cache.pop_n(0, 1)
         cache.pop_n(1, 1)
         assert info.num_splits > 1
-        _step(cache, ref, rng, [(0, 1), (1, 1)], "float32")
+        _step(cache, ref, rng, [(0, 1), (1, 1)], dtype)
     cache.check_integrity()
