@@ -46,12 +46,17 @@ def test_copies_cover_every_chunk_once(D, bc, wgs):
     """The Q tile (BR rows) and each K / V tile (BC rows) are copied by the block's threads exactly
     once per 16-byte chunk."""
     spec = KernelSpec(8, 2, D, 16, "float16", "cuda")
-    lay = ph.hopper_layout(spec, mask="causal", arch="sm_90", bc=bc, warpgroups=wgs, pingpong=wgs == 2)
+    lay = ph.hopper_layout(
+        spec, mask="causal", arch="sm_90", bc=bc, warpgroups=wgs, pingpong=wgs == 2, producer=wgs == 2
+    )
     assert lay is not None
     CPR = lay["CPR"]
     q = sorted(load_rc(t, i, lay["NT"], CPR) for t in range(lay["NT"]) for i in range(lay["QI"]))
     assert q == [(r, c) for r in range(lay["BR"]) for c in range(CPR)]
     kv = sorted(kv_rc(t, i, lay["NT"], CPR) for t in range(lay["NT"]) for i in range(lay["KVI"]))
+    assert kv == [(r, c) for r in range(bc) for c in range(CPR)]
+    # the copying warpgroup's 128 threads, bc * CPR / 128 chunks each
+    kv = sorted(kv_rc(t, i, 128, CPR) for t in range(128) for i in range(bc * CPR // 128))
     assert kv == [(r, c) for r in range(bc) for c in range(CPR)]
 
 
@@ -74,6 +79,7 @@ def test_when_the_schedule_is_chosen():
         (fp16, dict(mask="causal", arch="sm_90", bc=64, stages=2, overlap=True)),  # overlap needs 3 slots
         (fp16, dict(mask="causal", arch="sm_90", bc=64, stages=2)),  # so does the default ping-pong
         (fp16, dict(mask="causal", arch="sm_90", warpgroups=1)),  # ... and two warpgroups
+        (fp16, dict(mask="causal", arch="sm_90", pingpong=False, overlap=True)),  # the producer feeds ping-pong
     ]
     for spec, kw in refused:
         assert ph.hopper_layout(spec, **kw) is None, (spec, kw)
@@ -97,9 +103,11 @@ def test_kernel_set_dispatches_on_arch():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_nvcc_accepts_without_serializing(tmp_path):
     """nvcc compiles the schedule for sm_90a (paged and ragged, fp16 D 128 and bf16 D 64, the default
-    ping-pong loop and the one-warpgroup overlapped loop); ptxas reports no spills and does not
-    serialize the wgmma pipeline (its C7514 note: a register of an in-flight wgmma touched before
-    the wait)."""
+    ping-pong loop fed by a copying warpgroup, the same without it, and the one-warpgroup overlapped
+    loop); ptxas reports no spills and does not serialize the wgmma pipeline (its C7514 note: a
+    register of an in-flight wgmma touched before the wait). With the copying warpgroup the kernel is
+    compiled for 384 threads (168 registers) and ``setmaxnreg`` moves registers to the computing
+    warpgroups at run time."""
     from tvmkv.build import compile_funcs
 
     funcs = {}
@@ -108,8 +116,9 @@ def test_nvcc_accepts_without_serializing(tmp_path):
             (KernelSpec(32, 8, 128, 16, "float16", "cuda"), {}),
             (
                 KernelSpec(8, 2, 64, 1, "bfloat16", "cuda"),
-                dict(bc=64, stages=3, overlap=True, pingpong=False, warpgroups=1),
+                dict(bc=64, stages=3, overlap=True, pingpong=False, warpgroups=1, producer=False),
             ),
+            (KernelSpec(32, 8, 128, 16, "float16", "cuda"), dict(producer=False)),
         ]
     ):
         for source, mask in (("paged", "none"), ("paged", "causal"), ("ragged", "causal")):

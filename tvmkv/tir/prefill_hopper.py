@@ -14,26 +14,32 @@ asynchronous warpgroup MMA (``wgmma.mma_async``, fp32 accumulation) instead of `
 
 Work decomposition
 ------------------
-* One thread block = (query tile, kv head ``hk``), two warpgroups (256 threads), ``BR = 128`` query
-  rows (warpgroup ``g`` owns rows ``64 g .. 64 g + 63``, warp ``w`` rows ``16 w .. 16 w + 15``: the
-  accumulator layout of ``m64nN`` is ``mma.sync``'s m16n8 layout per warp). GQA packing, tile ids,
-  the binary search for the sequence, the causal key range and mask, the page-table gather and the
-  output are those of :mod:`tvmkv.tir.prefill_cuda` (its helpers are reused).
+* One thread block = (query tile, kv head ``hk``), two computing warpgroups (256 threads) and, by
+  default, a third that copies (FlashAttention-3's warp specialization; 384 threads). ``BR = 128``
+  query rows (computing warpgroup ``g`` owns rows ``64 g .. 64 g + 63``, warp ``w`` rows ``16 w .. 16 w
+  + 15``: the accumulator layout of ``m64nN`` is ``mma.sync``'s m16n8 layout per warp). GQA packing,
+  tile ids, the binary search for the sequence, the causal key range and mask, the page-table gather
+  and the output are those of :mod:`tvmkv.tir.prefill_cuda` (its helpers are reused).
 * K/V tiles of ``BC`` keys (default 128) in a ring of ``STAGES`` shared-memory slots (default 3),
-  filled by ``cp.async`` issued by every thread (no producer warps): a thread waits for its own
-  copies, makes them visible to the tensor cores' async proxy (``fence.proxy.async``), then the block
-  agrees the tile is complete.
-* Tile loop (default, :func:`make_prefill_hopper` ``pingpong``; FlashAttention-3's two overlaps
-  without its TMA producer): step ``j`` issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` back to
-  back, waits for ``S_j`` only, and runs tile ``j``'s softmax while the tensor cores do the ``P V``
-  product; the two warpgroups take turns issuing their products (named barriers 1 and 2), so one's
-  softmax also runs under the other's products. The warpgroups hand shared memory over with
-  mbarriers, not block-wide barriers, so they can run half a step apart: each slot has a "full"
-  barrier (256 arrivals: every thread's copies of its tile landed) and an "empty" one (256
-  arrivals: every thread's ``P V`` of it is done); step ``j`` refills the slot of tile ``j - 2``
-  with tile ``j + STAGES - 2`` while its products run. Knobs kept for tuning: ``overlap`` (the same
-  loop with the warpgroups in step, block barriers), neither (serial: S, softmax, P V per tile),
-  ``warpgroups=1`` (64-row blocks), ``bc`` 64.
+  filled by 16-byte ``cp.async``. Default (``producer``): the copying warpgroup fills slot ``j % 3``
+  with tile ``j`` once the slot's "empty" mbarrier says tile ``j - 3`` is done (256 arrivals: every
+  computing thread's ``P V`` of it), and one tile later waits for its own copies of tile ``j``, makes
+  them visible to the tensor cores' async proxy (``fence.proxy.async``) and arrives on the slot's
+  "full" mbarrier (128 arrivals). Its threads give registers back (``setmaxnreg.dec`` to
+  ``PRODUCER_REGS`` = 40) and the computing ones take them (``setmaxnreg.inc`` to ``CONSUMER_REGS`` =
+  232), so 384 threads fit the register file. Issuing copies stalls a warp while the memory pipeline
+  is full; on a warpgroup of its own that no longer holds up the products (H200, fp16 32/8 heads, D
+  128: causal 1x4096 304 -> 282 µs, 4x1024 over 2048 of history 407 -> 367 µs). Without it every
+  computing thread issues copies: it waits for its own, fences, arrives on "full" (256 arrivals).
+* Tile loop (:func:`make_prefill_hopper` ``pingpong``, the default; FlashAttention-3's two
+  overlaps): step ``j`` issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` back to back, waits for
+  ``S_j`` only, and runs tile ``j``'s softmax while the tensor cores do the ``P V`` product; the two
+  warpgroups take turns issuing their products (named barriers 1 and 2), so one's softmax also runs
+  under the other's products. The warpgroups hand shared memory over with the mbarriers above, not
+  block-wide barriers, so they can run half a step apart (without the copying warpgroup, step ``j``
+  refills the slot of tile ``j - 2`` with tile ``j + STAGES - 2`` while its products run). Knobs kept
+  for tuning: ``producer=False``, ``overlap`` (the same loop with the warpgroups in step, block
+  barriers), neither (serial: S, softmax, P V per tile), ``warpgroups=1`` (64-row blocks), ``bc`` 64.
 * Shared-memory layout, the one wgmma's 128-byte swizzle reads: a tile of ``R`` rows x ``D`` dims is
   stored as ``D / 64`` column blocks of ``[R][64]`` (128 bytes a row); 16-byte chunk ``c`` of row ``r``
   sits at chunk ``c ^ (r % 8)`` of its row (:func:`sw_off`). Every tile starts 1024-byte aligned (the
@@ -45,8 +51,8 @@ Work decomposition
 
 Fast path (:func:`hopper_layout`): target cuda built for sm_90, fp16 or bf16, head_dim 64 or 128,
 mask "none" or "causal", no sliding window, no inline RoPE, ``group`` dividing 128. On an H200 (fp16,
-H_qo 32, H_kv 8, D 128, page 16; bench/RESULTS.md) causal 1x4096 runs at 455 TFLOP/s (mma.sync:
-292), 4x1024 new tokens over 2048 of history at 424 (264). Everything else
+H_qo 32, H_kv 8, D 128, page 16; bench/RESULTS.md) causal 1x4096 runs at 487 TFLOP/s (mma.sync:
+292; torch 514), 4x1024 new tokens over 2048 of history at 468 (264; torch 284). Everything else
 keeps the ``mma.sync`` schedule of :mod:`tvmkv.tir.prefill_cuda` (sm_80 / sm_89, other shapes) or the
 generic one.
 """
@@ -68,6 +74,9 @@ DEFAULT_BC = 128  # keys per K/V tile
 DEFAULT_STAGES = 3  # K/V tiles in the ring of shared-memory slots
 DEFAULT_OVERLAP = False  # one warpgroup's softmax of tile j under its own P V of tile j - 1 (needs 3+ slots)
 DEFAULT_PINGPONG = True  # the overlapped loop with the two warpgroups out of step (needs 3+ slots)
+DEFAULT_PRODUCER = True  # ping-pong fed by a third warpgroup that issues the K/V copies
+PRODUCER_REGS = 40  # registers a thread of the copying warpgroup keeps (setmaxnreg); the others get
+CONSUMER_REGS = 232  # ... these: 2 x 128 x 232 + 128 x 40 <= 64K
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt into
 ALIGN = 1024  # bytes: the 128-byte swizzle repeats every 8 rows of 128 bytes
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
@@ -102,6 +111,7 @@ def hopper_layout(
     overlap: bool = DEFAULT_OVERLAP,
     pingpong: bool = DEFAULT_PINGPONG,
     warpgroups: int = DEFAULT_WARPGROUPS,
+    producer: bool = DEFAULT_PRODUCER,
 ):
     """Static layout of the wgmma path, or ``None`` where another schedule is used.
 
@@ -125,6 +135,7 @@ def hopper_layout(
         or stages < (3 if overlap or pingpong else 2)
         or warpgroups not in (1, 2)
         or (pingpong and warpgroups != 2)
+        or (producer and not pingpong)
         or smem > SMEM_LIMIT
     ):
         return None
@@ -152,6 +163,7 @@ def make_prefill_hopper(
     overlap: bool = DEFAULT_OVERLAP,
     pingpong: bool = DEFAULT_PINGPONG,
     warpgroups: int = DEFAULT_WARPGROUPS,
+    producer: bool = DEFAULT_PRODUCER,
 ):
     """The wgmma PrimFunc for ``source`` "paged" or "ragged" (the signatures of
     :func:`tvmkv.tir.attention.paged_prefill_func` / ``ragged_prefill_func``). The caller checks
@@ -159,7 +171,15 @@ def make_prefill_hopper(
     builds)."""
     assert source in ("paged", "ragged")
     lay = hopper_layout(
-        spec, mask=mask, arch=arch, bc=bc, stages=stages, overlap=overlap, pingpong=pingpong, warpgroups=warpgroups
+        spec,
+        mask=mask,
+        arch=arch,
+        bc=bc,
+        stages=stages,
+        overlap=overlap,
+        pingpong=pingpong,
+        warpgroups=warpgroups,
+        producer=producer,
     )
     assert lay is not None, "make_prefill_hopper called for a configuration outside its fast path"
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
@@ -175,7 +195,9 @@ def make_prefill_hopper(
     DN = D // 8  # n8 column groups of the output accumulator
     KD = D // 16  # k16 steps of Q K^T
     KB = BC // 16  # k16 steps of P V
-    NW = NT // WARP
+    NTH = NT + 128 if producer else NT  # threads of a block (the copying warpgroup last)
+    NW = NTH // WARP
+    KVP = BC * CPR // 128  # chunks of a K or V tile each thread of the copying warpgroup issues
     PREFETCH = ST - 2 if overlap or pingpong else ST - 1  # tiles in flight ahead of the one computed
     blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC)
     Q_OFF = 0
@@ -208,6 +230,40 @@ def make_prefill_hopper(
         # cp.async the K and V rows of tile kt into ring slot st (keys past the end re-read the last key)
         for i in T.unroll(KVI):
             kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
+            j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
+            if paged:
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + k_off(st) + sw_off(BC, kr, kc)]),
+                    pages.ptr_to([pid[i], 0, hk, j & PMASK, kc * 8]),
+                    16,
+                )
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + v_off(st) + sw_off(BC, kr, kc)]),
+                    pages.ptr_to([pid[i], 1, hk, j & PMASK, kc * 8]),
+                    16,
+                )
+            else:
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + k_off(st) + sw_off(BC, kr, kc)]),
+                    k.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]),
+                    16,
+                )
+                T.ptx[CP16](
+                    sm.ptr_to([pad[0] + v_off(st) + sw_off(BC, kr, kc)]),
+                    v.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]),
+                    16,
+                )
+
+    @macro
+    def produce_tile(kt, st):
+        # the copying warpgroup: page ids, then K and V rows of tile kt into ring slot st
+        for i in T.unroll(KVP):
+            kr, kc = T.meta_var(kv_rc(tx - NT, i, 128, CPR))
+            j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
+            if paged:
+                pid[i] = page_indices[sv[BLOCK.kbase] + (j >> LOGP)]
+        for i in T.unroll(KVP):
+            kr, kc = T.meta_var(kv_rc(tx - NT, i, 128, CPR))
             j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
             if paged:
                 T.ptx[CP16](
@@ -335,17 +391,20 @@ def make_prefill_hopper(
     @macro
     def full_wait(kt):
         # tile kt is in shared memory for everyone: this thread's copies landed and are made visible to
-        # the async proxy, it arrives on the slot's "full" barrier and waits for the other 255
-        T.ptx["cp.async.wait_group"](PREFETCH - 1)
-        T.ptx["fence.proxy.async.shared::cta"]()
-        T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([kt % ST]))
+        # the async proxy, it arrives on the slot's "full" barrier and waits for the other 255 (with a
+        # copying warpgroup: waits for its 128 arrivals)
+        if not producer:
+            T.ptx["cp.async.wait_group"](PREFETCH - 1)
+            T.ptx["fence.proxy.async.shared::cta"]()
+            T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([kt % ST]))
         T.cuda.mbarrier_wait(mbar.ptr_to([kt % ST]), (kt // ST) % 2)
 
     @macro
     def refill(kt):
         # copy tile kt + PREFETCH into its slot once every thread is done with the slot's previous tile
         # (its "empty" barrier), and fetch the page ids of the tile after it; one commit group per step
-        if kt + PREFETCH < sv[BLOCK.nkt]:
+        # (with a copying warpgroup: nothing)
+        if not producer and kt + PREFETCH < sv[BLOCK.nkt]:
             if kt + PREFETCH >= ST:
                 T.cuda.mbarrier_wait(mbar.ptr_to([ST + (kt + PREFETCH) % ST]), ((kt + PREFETCH) // ST - 1) % 2)
             issue_kv(kt + PREFETCH, (kt + PREFETCH) % ST)
@@ -399,9 +458,21 @@ def make_prefill_hopper(
                 T.ptx["barrier.sync.aligned"](T.uint32(1), T.uint32(NT))  # consume warpgroup 1's first arrive
 
     @macro
+    def load_q():
+        # the computing threads copy the Q tile (one cp.async commit group)
+        for i in T.unroll(QI):
+            qr, qc = T.meta_var(load_rc(tx, i, NT, CPR))
+            T.ptx[CP16](
+                sm.ptr_to([pad[0] + Q_OFF + sw_off(BR, qr, qc)]),
+                q.ptr_to([sv[BLOCK.t0] + T.min(qr // group, sv[BLOCK.ntok] - 1), hk * group + qr % group, qc * 8]),
+                16,
+            )
+        T.ptx["cp.async.commit_group"]()
+
+    @macro
     def fa_body():
         bx = T.launch_thread("blockIdx.x", (n // RT + B) * H_kv)
-        tx = T.launch_thread("threadIdx.x", NT)
+        tx = T.launch_thread("threadIdx.x", NTH)
         lane = T.meta_var(tx % WARP)
         w = T.meta_var(tx // WARP)
         wg = T.meta_var(tx // 128)
@@ -420,7 +491,7 @@ def make_prefill_hopper(
         da = T.alloc_buffer((1,), "uint64", scope="local")
         db = T.alloc_buffer((1,), "uint64", scope="local")
         rpos = T.alloc_buffer((2,), "int32", scope="local")  # causal bound of rows g, g + 8
-        pid = T.alloc_buffer((KVI,), "int32", scope="local")
+        pid = T.alloc_buffer((KVP if producer else KVI,), "int32", scope="local")
         pf = T.alloc_buffer((KB, 4), "uint32", scope="local")
         s = T.alloc_buffer((NI, 4), "float32", scope="local")
         o_acc = T.alloc_buffer((DN, 4), "float32", scope="local")
@@ -459,36 +530,61 @@ def make_prefill_hopper(
 
             if pingpong:
                 if tx == 0:
-                    for i in T.unroll(2 * ST):
-                        T.ptx["mbarrier.init.shared::cta.b64"](mbar.ptr_to([i]), T.uint32(NT))
+                    # "full": 256 arrivals (every computing thread's own copies), or the copying
+                    # warpgroup's 128; "empty": the 256 computing threads
+                    for i in T.unroll(ST):
+                        T.ptx["mbarrier.init.shared::cta.b64"](mbar.ptr_to([i]), T.uint32(128 if producer else NT))
+                    for i in T.unroll(ST):
+                        T.ptx["mbarrier.init.shared::cta.b64"](mbar.ptr_to([ST + i]), T.uint32(NT))
                 T.tvm_storage_sync("shared")
-            # ---- Q tile (own cp.async group), then K/V tiles 0 .. PREFETCH - 1
-            for i in T.unroll(QI):
-                qr, qc = T.meta_var(load_rc(tx, i, NT, CPR))
-                T.ptx[CP16](
-                    sm.ptr_to([pad[0] + Q_OFF + sw_off(BR, qr, qc)]),
-                    q.ptr_to([sv[BLOCK.t0] + T.min(qr // group, sv[BLOCK.ntok] - 1), hk * group + qr % group, qc * 8]),
-                    16,
-                )
-            T.ptx["cp.async.commit_group"]()
-            fetch_pid(0)
-            for p in T.unroll(PREFETCH):
-                if p < sv[BLOCK.nkt]:
-                    issue_kv(p, p)
-                    fetch_pid(p + 1)
-                T.ptx["cp.async.commit_group"]()
-
-            # ---- key tiles
-            if pingpong:
-                tiles_pingpong()
-            elif overlap:
-                tiles_overlapped()
+            if producer:
+                if tx >= NT:
+                    # ---- the copying warpgroup: tile kt into slot kt % ST once the slot's previous
+                    # tile is released; a thread's copies of tile kt are waited for (and made visible
+                    # to wgmma) one tile later, then it arrives on the slot's "full" barrier
+                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+                    for kt in T.serial(sv[BLOCK.nkt]):
+                        if kt >= ST:
+                            T.cuda.mbarrier_wait(mbar.ptr_to([ST + kt % ST]), (kt // ST - 1) % 2)
+                        produce_tile(kt, kt % ST)
+                        T.ptx["cp.async.commit_group"]()
+                        if kt > 0:
+                            T.ptx["cp.async.wait_group"](1)
+                            T.ptx["fence.proxy.async.shared::cta"]()
+                            T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([(kt - 1) % ST]))
+                    if sv[BLOCK.nkt] > 0:
+                        T.ptx["cp.async.wait_group"](0)
+                        T.ptx["fence.proxy.async.shared::cta"]()
+                        T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([(sv[BLOCK.nkt] - 1) % ST]))
+                else:
+                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                    load_q()
+                    T.ptx["cp.async.wait_group"](0)
+                    T.ptx["fence.proxy.async.shared::cta"]()
+                    T.ptx["barrier.sync.aligned"](T.uint32(3), T.uint32(NT))  # every row of Q landed
+                    tiles_pingpong()
+                    blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
             else:
-                tiles_serial()
-            T.ptx["cp.async.wait_group"](0)
+                # ---- Q tile (own cp.async group), then K/V tiles 0 .. PREFETCH - 1
+                load_q()
+                fetch_pid(0)
+                for p in T.unroll(PREFETCH):
+                    if p < sv[BLOCK.nkt]:
+                        issue_kv(p, p)
+                        fetch_pid(p + 1)
+                    T.ptx["cp.async.commit_group"]()
 
-            # ---- o = O / l, lse = m + log2(l)
-            blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
+                # ---- key tiles
+                if pingpong:
+                    tiles_pingpong()
+                elif overlap:
+                    tiles_overlapped()
+                else:
+                    tiles_serial()
+                T.ptx["cp.async.wait_group"](0)
+
+                # ---- o = O / l, lse = m + log2(l)
+                blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
 
     if paged:
         return paged_prefill_func(spec, fa_body)
