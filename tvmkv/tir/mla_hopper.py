@@ -46,7 +46,7 @@ Used where :func:`tvmkv.tir.mla_layout.wgmma_heads` allows it (cuda built for sm
 ``H`` a multiple of ``HB`` (32 where ``H`` allows, else 16), ``D`` and ``D_v`` multiples of 64); the
 ``mma.sync`` schedule of :mod:`tvmkv.tir.mla` serves sm_80 / sm_89 and every other shape. On an H200 at
 DeepSeek-V2's latent shape (bench/RESULTS.md, the kernels alone): H 16 decode 128 x 2048 114 -> 92 us
-(3.3 TB/s: 96% of a read-only pass over the same bytes, torch 195 us), H 128 64 x 4096 478 -> 366 us.
+(3.3 TB/s: 79% of a device copy's read + write rate, torch 195 us), H 128 64 x 4096 478 -> 366 us.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from .prefill_cuda import CP16
 from .prefill_hopper import sw_off, wgmma_op
 from .spec import MlaSpec
 
-NT = 128  # threads per block: one warpgroup
+NT = 128  # threads of a warpgroup (the computing one; the copying one, if any, has as many)
 NEG_INF = float("-inf")
 SBO = 1024 // 16  # descriptor stride between 8-row groups (16-byte units)
 
