@@ -219,51 +219,19 @@ def make_prefill_hopper(
         return region // 8 + (kk // 4) * (rows * 8) + (kk % 4) * 2
 
     @macro
-    def fetch_pid(kt):
+    def fetch_pid(kt, u, nthr, cnt):
+        # page ids of the rows thread u (of nthr copying threads, cnt chunks each) copies of tile kt
         if paged:
-            for i in T.unroll(KVI):
-                kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
+            for i in T.unroll(cnt):
+                kr, kc = T.meta_var(kv_rc(u, i, nthr, CPR))
                 pid[i] = page_indices[sv[BLOCK.kbase] + (T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1) >> LOGP)]
 
     @macro
-    def issue_kv(kt, st):
-        # cp.async the K and V rows of tile kt into ring slot st (keys past the end re-read the last key)
-        for i in T.unroll(KVI):
-            kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
-            j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
-            if paged:
-                T.ptx[CP16](
-                    sm.ptr_to([pad[0] + k_off(st) + sw_off(BC, kr, kc)]),
-                    pages.ptr_to([pid[i], 0, hk, j & PMASK, kc * 8]),
-                    16,
-                )
-                T.ptx[CP16](
-                    sm.ptr_to([pad[0] + v_off(st) + sw_off(BC, kr, kc)]),
-                    pages.ptr_to([pid[i], 1, hk, j & PMASK, kc * 8]),
-                    16,
-                )
-            else:
-                T.ptx[CP16](
-                    sm.ptr_to([pad[0] + k_off(st) + sw_off(BC, kr, kc)]),
-                    k.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]),
-                    16,
-                )
-                T.ptx[CP16](
-                    sm.ptr_to([pad[0] + v_off(st) + sw_off(BC, kr, kc)]),
-                    v.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]),
-                    16,
-                )
-
-    @macro
-    def produce_tile(kt, st):
-        # the copying warpgroup: page ids, then K and V rows of tile kt into ring slot st
-        for i in T.unroll(KVP):
-            kr, kc = T.meta_var(kv_rc(tx - NT, i, 128, CPR))
-            j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
-            if paged:
-                pid[i] = page_indices[sv[BLOCK.kbase] + (j >> LOGP)]
-        for i in T.unroll(KVP):
-            kr, kc = T.meta_var(kv_rc(tx - NT, i, 128, CPR))
+    def issue_kv(kt, st, u, nthr, cnt):
+        # cp.async the K and V rows of tile kt that thread u (of nthr, cnt chunks each) copies into ring
+        # slot st (keys past the end re-read the last key; page ids from fetch_pid)
+        for i in T.unroll(cnt):
+            kr, kc = T.meta_var(kv_rc(u, i, nthr, CPR))
             j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
             if paged:
                 T.ptx[CP16](
@@ -340,8 +308,8 @@ def make_prefill_hopper(
         T.ptx["fence.proxy.async.shared::cta"]()  # ... and are visible to the async proxy
         T.tvm_storage_sync("shared")  # everyone's copies; everyone is done with the slot refilled below
         if kt + ahead < sv[BLOCK.nkt]:
-            issue_kv(kt + ahead, (kt + ahead) % ST)
-            fetch_pid(kt + ahead + 1)
+            issue_kv(kt + ahead, (kt + ahead) % ST, tx, NT, KVI)
+            fetch_pid(kt + ahead + 1, tx, NT, KVI)
         T.ptx["cp.async.commit_group"]()
 
     @macro
@@ -407,8 +375,8 @@ def make_prefill_hopper(
         if not producer and kt + PREFETCH < sv[BLOCK.nkt]:
             if kt + PREFETCH >= ST:
                 T.cuda.mbarrier_wait(mbar.ptr_to([ST + (kt + PREFETCH) % ST]), ((kt + PREFETCH) // ST - 1) % 2)
-            issue_kv(kt + PREFETCH, (kt + PREFETCH) % ST)
-            fetch_pid(kt + PREFETCH + 1)
+            issue_kv(kt + PREFETCH, (kt + PREFETCH) % ST, tx, NT, KVI)
+            fetch_pid(kt + PREFETCH + 1, tx, NT, KVI)
         T.ptx["cp.async.commit_group"]()
 
     @macro
@@ -546,7 +514,8 @@ def make_prefill_hopper(
                     for kt in T.serial(sv[BLOCK.nkt]):
                         if kt >= ST:
                             T.cuda.mbarrier_wait(mbar.ptr_to([ST + kt % ST]), (kt // ST - 1) % 2)
-                        produce_tile(kt, kt % ST)
+                        fetch_pid(kt, tx - NT, 128, KVP)
+                        issue_kv(kt, kt % ST, tx - NT, 128, KVP)
                         T.ptx["cp.async.commit_group"]()
                         if kt > 0:
                             T.ptx["cp.async.wait_group"](1)
@@ -567,11 +536,11 @@ def make_prefill_hopper(
             else:
                 # ---- Q tile (own cp.async group), then K/V tiles 0 .. PREFETCH - 1
                 load_q()
-                fetch_pid(0)
+                fetch_pid(0, tx, NT, KVI)
                 for p in T.unroll(PREFETCH):
                     if p < sv[BLOCK.nkt]:
-                        issue_kv(p, p)
-                        fetch_pid(p + 1)
+                        issue_kv(p, p, tx, NT, KVI)
+                        fetch_pid(p + 1, tx, NT, KVI)
                     T.ptx["cp.async.commit_group"]()
 
                 # ---- key tiles
