@@ -8,7 +8,9 @@ blocks_per_sm=...)`` chunks (``mla_attention_split`` + ``mla_merge_splits``) or 
 (``tvmkv.tir.mla_layout``). Contenders (this checkout, see VARIANTS):
 
 - ``mma``: the ``mma.sync`` schedule (what sm_80 / sm_89 build; sm_90 before the warpgroup-MMA one);
-- ``wg16`` / ``wg32``: the sm_90 warpgroup-MMA schedule (``tvmkv.tir.mla_hopper``), 16 / 32 heads a block;
+- ``wg32`` / ``wg16``: the sm_90 warpgroup-MMA schedule (``tvmkv.tir.mla_hopper``), 32 / 16 heads a
+  block, its copying warpgroup issuing bulk tensor copies (TMA); ``_cpasync``: 16-byte ``cp.async``
+  instead; ``_1wg_k64s2``: one warpgroup copying and computing, 64-key tiles in 2 stages;
 - ``<name>@2x``: split as if each SM held twice the blocks it does;
 - ``torch``: bmm (q @ latents^T, fp32 softmax, P @ latents[:, :, :512]) on contiguous latents.
 
@@ -58,15 +60,13 @@ VARIANTS = {
     128: {
         "mma": {},
         "wg32": dict(arch="sm_90"),
-        "wg32_k64s2": dict(arch="sm_90", wg_heads=32, wg_keys=64, wg_stages=2),
-        "wg32_1wg_k64s2": dict(arch="sm_90", wg_heads=32, wg_keys=64, wg_stages=2, wg_producer=False),
+        "wg32_cpasync": dict(arch="sm_90", wg_tma=False),
         "wg16": dict(arch="sm_90", wg_heads=16),
     },
     16: {
         "mma": {},
         "wg16": dict(arch="sm_90"),
-        "wg16_k64s2": dict(arch="sm_90", wg_keys=64, wg_stages=2),
-        "wg16_k32s5": dict(arch="sm_90", wg_keys=32, wg_stages=5),
+        "wg16_cpasync": dict(arch="sm_90", wg_tma=False),
         "wg16_1wg_k64s2": dict(arch="sm_90", wg_keys=64, wg_stages=2, wg_producer=False),
     },
 }

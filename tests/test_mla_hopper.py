@@ -114,11 +114,20 @@ def test_p_transpose_stores(heads):
 
 
 def test_kernel_set_dispatches_on_arch():
-    """Built for sm_90, DeepSeek-V2's attention kernels (whole and split) are the wgmma schedule; for
-    sm_80 the mma.sync one; the SIMT request still gets SIMT."""
+    """Built for sm_90, DeepSeek-V2's attention kernels (whole and split) are the wgmma schedule, fed by
+    bulk tensor copies (page size 16) with the 16-byte copies kept for chunks that do not start a page;
+    for sm_80 the mma.sync one; the SIMT request still gets SIMT."""
     k90 = mla.kernel_set(DEEPSEEK, arch="sm_90")
-    assert "T.ptx.wgmma(" in k90["mla_attention"].script()
-    assert "T.ptx.wgmma(" in k90["mla_attention_split"].script()
+    for name in ("mla_attention", "mla_attention_split"):
+        script = k90[name].script()
+        assert "T.ptx.wgmma(" in script and "tensormap_encode_tiled" in script
+        assert "T.address_of(pages_tensormap)" in script  # the bulk copies' operand
+    p4 = mla.make_mla_attention(MlaSpec(32, 128, 64, 4, "bfloat16", "cuda"), arch="sm_90").script()
+    assert "T.ptx.wgmma(" in p4 and "tensormap" not in p4  # page size 4: 16-byte copies only
+    no_tma = mla.make_mla_attention(DEEPSEEK, arch="sm_90", wg_tma=False).script()
+    assert "tensormap" not in no_tma
+    # the bulk copy is one more copy instruction beside the 16-byte copies kept for unaligned chunks
+    assert k90["mla_attention"].script().count("T.ptx.cp(") == no_tma.count("T.ptx.cp(") + 1
     k80 = mla.make_mla_attention(DEEPSEEK, arch="sm_80").script()
     assert "wgmma" not in k80 and "T.ptx.mma(" in k80
     assert "wgmma" not in mla.make_mla_attention(DEEPSEEK, arch="sm_90", tensor_cores=False).script()
@@ -127,8 +136,9 @@ def test_kernel_set_dispatches_on_arch():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_nvcc_accepts_without_serializing(tmp_path):
     """nvcc compiles the schedule for sm_90a (16 heads at D 576 fp16, 32 heads at H 128, bf16 at D 192
-    with 64-key tiles, one warpgroup without the producer; whole and split); ptxas reports no spills and
-    does not serialize the wgmma pipeline (C7514)."""
+    with 64-key tiles, one warpgroup without the producer, the producer without bulk copies; whole and
+    split); ptxas reports no spills and does not serialize the wgmma pipeline (C7514); the bulk-copy
+    kernels take their tensor map as a ``__grid_constant__`` parameter."""
     from tvmkv.build import compile_funcs
 
     funcs = {}
@@ -138,6 +148,7 @@ def test_nvcc_accepts_without_serializing(tmp_path):
             (MlaSpec(128, 512, 64, 16, "float16", "cuda"), {}),  # 32 heads a block: 255 registers
             (MlaSpec(32, 128, 64, 4, "bfloat16", "cuda"), dict(wg_heads=16, wg_keys=64, wg_stages=2)),
             (DEEPSEEK, dict(wg_producer=False)),
+            (DEEPSEEK, dict(wg_tma=False)),
         ]
     ):
         for split in (False, True):
@@ -152,3 +163,4 @@ def test_nvcc_accepts_without_serializing(tmp_path):
     log = done.stdout + done.stderr
     assert "C7514" not in log and "serialized" not in log, log[-3000:]
     assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(funcs), log[-3000:]
+    assert "const __grid_constant__ CUtensorMap pages_tensormap" in src

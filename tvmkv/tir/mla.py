@@ -24,7 +24,7 @@ above ``gpu_tc_body`` (docs/layout.md, "MLA kernels"); on an H200 at DeepSeek-V2
 bench/gpu_mla_kernels.py) decode 64 x 4096 787 -> 476 us, 128 x 2048 799 -> 488 us (16-head blocks
 before; torch bmm 505 / 482 us). Built for sm_90, the tensor-core shapes with ``D`` a multiple of 64
 take the warpgroup-MMA schedule of :mod:`tvmkv.tir.mla_hopper` instead (its ``make_body``, with this
-module's row / key-range macros; at H 128 366 us, at H 16 128 x 2048 92 us). The SIMT schedule serves
+module's row / key-range macros; at H 128 311 us, at H 16 128 x 2048 83 us). The SIMT schedule serves
 every other shape: one thread block per (query row, ``HB`` heads); each tile
 of ``TK = 32`` latent rows is copied into shared memory once (``cp.async``, double buffered: tile
 ``t + 1`` is in flight while tile ``t`` is used; rows padded so lane-per-key reads are conflict-free)
@@ -58,6 +58,7 @@ from .mla_layout import (
     WG_SMEM_LIMIT,
     WG_STAGES,
     WG_TILE_KEYS,
+    WG_TMA,
     divisor_at_most,
     tc_head_tiles,
     tc_shared_words,
@@ -619,6 +620,7 @@ def make_mla_attention(
     wg_keys: int = WG_KEYS,
     wg_stages: int = WG_STAGES,
     wg_producer: bool = WG_PRODUCER,
+    wg_tma: bool = WG_TMA,
 ):
     """``mla_attention(q, q_indptr, q_pos, pages, page_indptr, page_indices, last_page_len, kv_window,
     o, lse, sm_scale, causal)``: absorbed MLA attention of ragged query rows over the paged latent rows.
@@ -666,8 +668,8 @@ def make_mla_attention(
     gives the split granule of the defaults. ``arch`` is the CUDA arch the kernel is built for: sm_90
     takes the warpgroup-MMA schedule of :mod:`tvmkv.tir.mla_hopper` where
     :func:`tvmkv.tir.mla_layout.wgmma_heads` allows (``wg_heads``, ``wg_keys``, ``wg_stages``,
-    ``wg_producer``: its heads per block, 16 or 32, latent tiles, and whether a second warpgroup copies;
-    defaults: what the runtime plans for).
+    ``wg_producer``, ``wg_tma``: its heads per block, 16 or 32, latent tiles, whether a second warpgroup
+    copies and whether with bulk tensor copies; defaults: what the runtime plans for).
     """
     H, D, Dv, P, dtype = spec.num_heads, spec.head_dim, spec.latent_dim, spec.page_size, spec.dtype
     LOGP = P.bit_length() - 1
@@ -1243,7 +1245,7 @@ def make_mla_attention(
             SEQ=SEQ,
             KEYS=KEYS,
         )
-        body = mla_hopper.make_body(spec, rows, hb, wg_keys, wg_stages, wg_producer)
+        body = mla_hopper.make_body(spec, rows, hb, wg_keys, wg_stages, wg_producer, wg_tma)
     elif tensor_cores and use_tensor_cores(spec):
         body = gpu_tc_body
     else:

@@ -26,12 +26,20 @@ Work decomposition
   column block, or a pad after the last stage) and those scores are masked; ``O^T`` takes only the
   tile's 3 k16 steps. (48 x 3 measured faster than 64 x 2 and 32 x 5, bench/RESULTS.md.)
 * The copying warpgroup fills stage ``t % 3`` with tile ``t`` once the stage's "empty" mbarrier says
-  tile ``t - 3`` is done: threads ``u < TK`` look up the tile's slots (page table, window, causal
-  mask), then every thread issues ``D / 16`` 16-byte ``cp.async`` (8 consecutive threads fill one
-  128-byte row segment: no bank conflict); one tile later it waits for its own copies, makes them
-  visible to wgmma (``fence.proxy.async``) and arrives on the stage's "full" mbarrier. Issuing copies
-  stalls a warp whenever the memory pipeline is full; with a warpgroup of its own those stalls no
-  longer hold up the products (one warpgroup doing both: bench/RESULTS.md, ``wg_producer=False``).
+  tile ``t - 3`` is done. Threads ``u < TK`` write the tile's key visibility (window, causal mask, the
+  chunk's end). With page size 8 or 16 (and a chunk starting on a page) one thread then issues bulk
+  tensor copies (TMA, ``cp.async.bulk.tensor``) from a 3-D tensor map over the page pool that the
+  kernel's host code encodes on every call (``[num_pages, P, D]``, boxes of ``[1, P, 64]``, the
+  128-byte swizzle): one per page and 64-dim column block, landing exactly in the layout below and
+  completing the stage's "full" phase by their byte count (``mbarrier.arrive.expect_tx``); every other
+  copying thread arrives on "full" too, releasing its visibility entries. Otherwise (other page sizes,
+  or a ``kv_chunk`` that is not a multiple of the page) every copying thread looks up the slots and
+  issues ``D / 16`` 16-byte ``cp.async`` (8 consecutive threads fill one 128-byte row segment: no bank
+  conflict); one tile later it waits for its own copies, makes them visible to wgmma
+  (``fence.proxy.async``) and arrives. Issuing copies stalls a warp whenever the memory pipeline is
+  full; with a warpgroup of its own those stalls no longer hold up the products (one warpgroup doing
+  both: bench/RESULTS.md, ``wg_producer=False``), and the bulk copies take the per-thread issue out
+  altogether (H 16 128 x 2048: 91 -> 83 us).
 * The computing warpgroup waits for "full", runs both products and the online softmax, and arrives
   on "empty". Head maxima meet across the 8 lanes holding a head (shuffles) and the 4 warps (shared
   memory, one named barrier a tile); sums stay per thread to the end.
@@ -45,8 +53,8 @@ Work decomposition
 Used where :func:`tvmkv.tir.mla_layout.wgmma_heads` allows it (cuda built for sm_90, fp16 / bf16,
 ``H`` a multiple of ``HB`` (32 where ``H`` allows, else 16), ``D`` and ``D_v`` multiples of 64); the
 ``mma.sync`` schedule of :mod:`tvmkv.tir.mla` serves sm_80 / sm_89 and every other shape. On an H200 at
-DeepSeek-V2's latent shape (bench/RESULTS.md, the kernels alone): H 16 decode 128 x 2048 114 -> 92 us
-(3.3 TB/s: 79% of a device copy's read + write rate, torch 195 us), H 128 64 x 4096 478 -> 366 us.
+DeepSeek-V2's latent shape (bench/RESULTS.md, the kernels alone): H 16 decode 128 x 2048 112 -> 83 us
+(3.6 TB/s: 87% of a device copy's read + write rate, torch 193 us), H 128 64 x 4096 477 -> 311 us.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from types import SimpleNamespace
 from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro
-from .mla_layout import WG_ALIGN, WG_KEYS, WG_PRODUCER, WG_STAGES, wg_shared_bytes
+from .mla_layout import WG_ALIGN, WG_KEYS, WG_PRODUCER, WG_STAGES, WG_TMA, wg_shared_bytes
 from .prefill_cuda import CP16
 from .prefill_hopper import sw_off, wgmma_op
 from .spec import MlaSpec
@@ -73,13 +81,15 @@ def make_body(
     keys: int = WG_KEYS,
     stages: int = WG_STAGES,
     producer: bool = WG_PRODUCER,
+    tma: bool = WG_TMA,
 ):
     """The TVMScript body of cuda ``mla_attention`` (or ``_split``) on warpgroup MMA, ``heads`` heads a
     block, ``stages`` latent tiles of ``keys`` rows in shared memory (the caller checks them with
     :func:`tvmkv.tir.mla_layout.wgmma_heads`). ``rows`` holds :mod:`tvmkv.tir.mla`'s macros
     ``find_sequence``, ``key_range``, ``key_slot``, ``store_o``, ``store_lse`` and its ``KEYS`` slots; the
     body reads the signature's buffers by name. ``producer``: a second warpgroup issues the copies
-    (the default); else the one warpgroup copies and computes."""
+    (the default); else the one warpgroup copies and computes. ``tma``: the copying warpgroup uses
+    bulk tensor copies where the page size allows (the default)."""
     H, D, Dv, P, dtype = spec.num_heads, spec.head_dim, spec.latent_dim, spec.page_size, spec.dtype
     HB, TK, ST, KEYS = heads, keys, stages, rows.KEYS
     assert H % HB == 0 and D % 64 == 0 and Dv % 64 == 0, "make_body called outside its shapes"
@@ -101,6 +111,12 @@ def make_body(
     # "empty" barrier); else tiles t .. t + ST - 1 in use and t + ST being written
     RING = ST if producer else ST + 1
     NTH = 2 * NT if producer else NT  # threads of a block
+    # the copying warpgroup's bulk tensor copies (TMA): one per page and 64-dim column block, from a 3-D
+    # tensor map over the page pool [num_pages, P, D] with wgmma's 128-byte swizzle; tiles whose first
+    # key starts a page (every tile of a chunk that does) take it, other chunks the 16-byte copies
+    use_tma = producer and tma and P in (8, 16) and TK % P == 0
+    TBYTES = TK * D * 2  # bytes of a latent tile
+    tmap = T.Var("pages_tensormap", ty=T.handle("tensormap").ty)
     wg = wgmma_op(HB, dtype)
     V_LBO = TK * 128 // 16  # MN-major A: the next 64-dim column block (one block per m64 tile: unused)
 
@@ -131,6 +147,40 @@ def make_body(
             Kid[e, u] = page_indices[
                 kr[KEYS.base] + (T.min(kr[KEYS.start] + t * TK + u, kr[KEYS.end] - 1) >> LOGP)
             ] * P + (T.min(kr[KEYS.start] + t * TK + u, kr[KEYS.end] - 1) & PMASK)
+
+    @macro
+    def tile_vis(kr, Kvis, i, t, e, u):
+        # threads u < TK: visibility of key u of tile t into ring entry e (tile_slots without the page
+        # lookup: the bulk copies fetch whole pages)
+        if u < TK:
+            kr[KEYS.slot] = kr[KEYS.start] + t * TK + u
+            kr[KEYS.pos] = T.if_then_else(
+                kr[KEYS.slot] < kr[KEYS.sink_end], kr[KEYS.slot], kr[KEYS.slot] + kr[KEYS.window_offset]
+            )
+            Kvis[e, u] = T.Cast(
+                "int32",
+                kr[KEYS.slot] < kr[KEYS.end]
+                and (kr[KEYS.slot] < kr[KEYS.sink_end] or kr[KEYS.slot] >= kr[KEYS.window_start])
+                and (causal == 0 or kr[KEYS.pos] <= q_pos[i]),
+            )
+
+    @macro
+    def issue_tile_tma(kr, t, s):
+        # one thread: the pages of tile t (past the sequence's last page: the last page, masked) into
+        # latent stage s, a 2 KiB [P][64] slab per page and column block, on the stage's "full" barrier
+        T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"](mbar.ptr_to([s]), T.uint32(TBYTES))
+        for pg in T.unroll(TK // P):
+            for cb in T.unroll(D // 64):
+                T.ptx["cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+                    sm.ptr_to([pad[0] + tile_off(s) + (cb * TK + pg * P) * 64]),
+                    T.address_of(tmap),
+                    cb * 64,
+                    0,
+                    page_indices[
+                        kr[KEYS.base] + T.min(((kr[KEYS.start] + t * TK) >> LOGP) + pg, (kr[KEYS.kv_len] - 1) >> LOGP)
+                    ],
+                    mbar.ptr_to([s]),
+                )
 
     @macro
     def issue_tile(Kid, e, s, u):
@@ -225,6 +275,26 @@ def make_body(
 
     @macro
     def body():
+        if use_tma:
+            T.Bind(T.tvm_stack_alloca("tensormap", 1), var=tmap)
+            T.tensormap_encode_tiled(
+                tmap,
+                pages.data,
+                D,
+                P,
+                num_pages,
+                D * 2,
+                P * D * 2,
+                64,
+                P,
+                1,
+                1,
+                1,
+                1,
+                descriptor_dtype=dtype,
+                rank=3,
+                swizzle=3,
+            )
         bx = T.launch_thread("blockIdx.x", T.max(n * NBH * NSPLIT, 1))  # max: no empty grid when n == 0
         tx = T.launch_thread("threadIdx.x", NTH)
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
@@ -284,8 +354,12 @@ def make_body(
                     Kvis[e, TK + tx] = 0
         if producer:
             if tx == 0:
-                for b in T.unroll(2 * ST):
+                # "full": the copying threads (with bulk copies, one of them also waits for their
+                # bytes); "empty": the computing threads
+                for b in T.unroll(ST):
                     T.ptx["mbarrier.init.shared::cta.b64"](mbar.ptr_to([b]), T.uint32(NT))
+                for b in T.unroll(ST):
+                    T.ptx["mbarrier.init.shared::cta.b64"](mbar.ptr_to([ST + b]), T.uint32(NT))
         # Q: its own commit group, waited for before the first tile
         if tx < NT:
             if i < n:
@@ -303,6 +377,20 @@ def make_body(
                     T.cuda.mbarrier_wait(mbar.ptr_to([t % ST]), (t // ST) % 2)
                     compute_tile(t % ST, t % ST)
                     T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([ST + t % ST]))
+            elif use_tma and kr[KEYS.start] % P == 0:
+                # warpgroup 1, bulk copies: tile t's visibility, then (one thread) its pages into stage
+                # t % ST once the stage's previous tile is released (the copies complete the stage's
+                # "full" phase through their byte count; nothing to fence: they are async-proxy writes)
+                for t in T.serial(nt[0]):
+                    if t >= ST:
+                        T.cuda.mbarrier_wait(mbar.ptr_to([ST + t % ST]), (t // ST - 1) % 2)
+                    tile_vis(kr, Kvis, i, t, t % ST, tx - NT)
+                    # every copying thread arrives (releasing its visibility entries); the first one
+                    # with the tile's byte count, before its copies
+                    if tx == NT:
+                        issue_tile_tma(kr, t, t % ST)
+                    else:
+                        T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([t % ST]))
             else:
                 # warpgroup 1 copies tile t into stage t % ST once the stage's previous tile is released;
                 # each thread waits for its own copies of a tile one tile later (two in flight), makes

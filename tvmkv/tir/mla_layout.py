@@ -21,6 +21,7 @@ WG_KEYS = 48  # keys per latent tile (wgmma's M is 64: the rows past them are re
 WG_STAGES = 3  # latent tiles in shared memory (stages - 1 on their way from memory while one is computed)
 WG_TILE_KEYS = (32, 48, 64)
 WG_PRODUCER = True  # a second warpgroup of the block issues the latent copies (warp specialization)
+WG_TMA = True  # ... as bulk tensor copies (TMA) where the page size allows (tvmkv.tir.mla_hopper)
 WG_SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt into
 WG_ALIGN = 1024  # the 128-byte swizzle repeats every 1024 bytes: tiles start on that boundary
 
