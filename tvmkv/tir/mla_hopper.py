@@ -27,7 +27,7 @@ Work decomposition
   tile's 3 k16 steps. (48 x 3 measured faster than 64 x 2 and 32 x 5, bench/RESULTS.md.)
 * The copying warpgroup fills stage ``t % 3`` with tile ``t`` once the stage's "empty" mbarrier says
   tile ``t - 3`` is done. Threads ``u < TK`` write the tile's key visibility (window, causal mask, the
-  chunk's end). With page size 8 or 16 (and a chunk starting on a page) one thread then issues bulk
+  chunk's end). With page size 16 (and a chunk starting on a page) one thread then issues bulk
   tensor copies (TMA, ``cp.async.bulk.tensor``) from a 3-D tensor map over the page pool that the
   kernel's host code encodes on every call (``[num_pages, P, D]``, boxes of ``[1, P, 64]``, the
   128-byte swizzle): one per page and 64-dim column block, landing exactly in the layout below and
@@ -114,7 +114,7 @@ def make_body(
     # the copying warpgroup's bulk tensor copies (TMA): one per page and 64-dim column block, from a 3-D
     # tensor map over the page pool [num_pages, P, D] with wgmma's 128-byte swizzle; tiles whose first
     # key starts a page (every tile of a chunk that does) take it, other chunks the 16-byte copies
-    use_tma = producer and tma and P in (8, 16) and TK % P == 0
+    use_tma = producer and tma and P == 16 and TK % P == 0  # (the page size measured and tested on a GPU)
     TBYTES = TK * D * 2  # bytes of a latent tile
     tmap = T.Var("pages_tensormap", ty=T.handle("tensormap").ty)
     wg = wgmma_op(HB, dtype)
