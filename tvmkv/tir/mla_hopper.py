@@ -64,14 +64,13 @@ from types import SimpleNamespace
 from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro
-from .mla_layout import WG_ALIGN, WG_KEYS, WG_PRODUCER, WG_STAGES, WG_TMA, wg_shared_bytes
+from .mla_layout import WG_KEYS, WG_PRODUCER, WG_STAGES, WG_TMA, wg_shared_bytes
 from .prefill_cuda import CP16
-from .prefill_hopper import sw_off, wgmma_op
+from .prefill_hopper import aligned_descriptors, sw_off, wgmma_op
 from .spec import MlaSpec
 
 NT = 128  # threads of a warpgroup (the computing one; the copying one, if any, has as many)
 NEG_INF = float("-inf")
-SBO = 1024 // 16  # descriptor stride between 8-row groups (16-byte units)
 
 
 def make_body(
@@ -327,13 +326,7 @@ def make_body(
 
         # ---- descriptors of the buffer start, moved up to the first 1024-byte boundary: K-major (Q,
         # the tiles for S^T, P^T) and MN-major (the tiles for O^T)
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dk[0]), sm.ptr_to([0]), 1, SBO, 3)
-        pad[0] = T.Cast(
-            "int32", (T.uint64(WG_ALIGN // 16) - (dk[0] & T.uint64(WG_ALIGN // 16 - 1))) & T.uint64(WG_ALIGN // 16 - 1)
-        )
-        pad[0] = pad[0] * 8
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dk[0]), sm.ptr_to([pad[0]]), 1, SBO, 3)
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dv[0]), sm.ptr_to([pad[0]]), V_LBO, SBO, 3)
+        aligned_descriptors(sm, pad, dk, dv, V_LBO)
 
         if i < n:
             rows.find_sequence(seq, i)

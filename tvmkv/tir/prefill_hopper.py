@@ -94,6 +94,20 @@ def sw_off(rows, r, c):
     return ((c >> 3) * rows + r) * 64 + ((c & 7) ^ (r & 7)) * 8
 
 
+@macro
+def aligned_descriptors(sm, pad, dk, dv, v_lbo):
+    """Move the dynamic buffer ``sm`` up to its first 1024-byte boundary (``pad[0]``, in elements of a
+    2-byte type: the 128-byte swizzle is a function of address bits 4-9) and encode there the base
+    matrix descriptors of the 128-byte swizzle: ``dk`` K-major (8-row groups 1024 bytes apart), ``dv``
+    MN-major with ``v_lbo`` (16-byte units) between its 64-element column blocks."""
+    T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dk[0]), sm.ptr_to([0]), 1, ALIGN // 16, 3)
+    # (the descriptor's low 14 bits are the shared address / 16)
+    pad[0] = T.Cast("int32", (T.uint64(ALIGN // 16) - (dk[0] & T.uint64(ALIGN // 16 - 1))) & T.uint64(ALIGN // 16 - 1))
+    pad[0] = pad[0] * 8
+    T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dk[0]), sm.ptr_to([pad[0]]), 1, ALIGN // 16, 3)
+    T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dv[0]), sm.ptr_to([pad[0]]), v_lbo, ALIGN // 16, 3)
+
+
 def smem_elems(D: int, bc: int, stages: int, warpgroups: int) -> int:
     """Elements of the dynamic buffer before the alignment pad: Q tile, then ``stages`` x (K, V)."""
     return 64 * warpgroups * D + stages * 2 * bc * D
@@ -209,7 +223,6 @@ def make_prefill_hopper(
         return BR * D + st * (2 * BC * D) + BC * D
 
     WORDS = (smem_elems(D, BC, ST, warpgroups) * 2 + ALIGN) // 4
-    SBO = 1024 // 16  # 8 rows of 128 bytes, in the descriptor's 16-byte units
     V_LBO = BC * 128 // 16  # MN-major V: the second 64-dim column block
     neg_inf = float("-inf")
 
@@ -487,14 +500,7 @@ def make_prefill_hopper(
                     o_acc[dn, r] = T.float32(0)
             # ---- descriptors of the buffer start, moved up to the first 1024-byte boundary: K-major
             # (Q and K: 8-row groups 1024 bytes apart) and MN-major V (column blocks BC x 128 bytes apart)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dkq[0]), sm.ptr_to([0]), 1, SBO, 3)
-            # (the descriptor's low 14 bits are the shared address / 16)
-            pad[0] = T.Cast(
-                "int32", (T.uint64(ALIGN // 16) - (dkq[0] & T.uint64(ALIGN // 16 - 1))) & T.uint64(ALIGN // 16 - 1)
-            )
-            pad[0] = pad[0] * 8
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dkq[0]), sm.ptr_to([pad[0]]), 1, SBO, 3)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dv[0]), sm.ptr_to([pad[0]]), V_LBO, SBO, 3)
+            aligned_descriptors(sm, pad, dkq, dv, V_LBO)
 
             if pingpong:
                 if tx == 0:
