@@ -130,12 +130,34 @@ def _random_forest(rng, n):
     return interval, depth
 
 
+def _fused(spec, q, k=None, v=None):
+    """The fused ``qkv [n, H_qo + 2 H_kv, D]`` holding ``q`` / ``k`` / ``v`` (docs/layout.md, "Fused
+    qkv"); heads not given are NaN, so a kernel that reads them instead of its own fails."""
+    n = q.shape[0]
+    nan = np.full((n, spec.num_kv_heads, spec.head_dim), np.nan, np.float32).astype(q.dtype)
+    return np.concatenate([q, nan if k is None else k, nan if v is None else v], axis=1)
+
+
 def _run_paged_prefill(
-    target, spec, lib, mask, hist, new, *, rng, sliding=False, rope=False, tree=False, pos_shift=None, layer_window=None
+    target,
+    spec,
+    lib,
+    mask,
+    hist,
+    new,
+    *,
+    rng,
+    sliding=False,
+    rope=False,
+    tree=False,
+    pos_shift=None,
+    layer_window=None,
+    fused=False,
 ):
     """Build a batch (history ``hist[b]`` + ``new[b]`` tokens), run both sides, compare.
     ``pos_shift[b]`` is added to the q_pos of sequence b (a negative shift empties causal rows).
-    ``layer_window`` (an int): the ``_local`` kernel with that window."""
+    ``layer_window`` (an int): the ``_local`` kernel with that window. ``fused``: the ``_qkv`` kernel,
+    q given inside a fused qkv whose k / v heads are NaN."""
     B = len(hist)
     kv_lens = [h + m for h, m in zip(hist, new, strict=True)]
     pg = Paged(rng, spec, kv_lens)
@@ -191,9 +213,10 @@ def _run_paged_prefill(
     )
     o = to_dev(np.zeros_like(q), target)
     lse = to_dev(np.zeros((n, spec.num_qo_heads), np.float32), target)
-    args = [q, q_indptr, q_pos, pg.pages, *pg.tables(), q_tree, kv_tree_indptr, kv_tree, kv_tree_start]
+    args = [_fused(spec, q) if fused else q, q_indptr, q_pos, pg.pages, *pg.tables()]
+    args += [q_tree, kv_tree_indptr, kv_tree, kv_tree_start]
     local = () if layer_window is None else (layer_window,)
-    kernel = lib[f"paged_prefill_{mask}" + ("_local" if local else "")]
+    kernel = lib[f"paged_prefill_{mask}" + ("_local" if local else "") + ("_qkv" if fused else "")]
     kernel(*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, *local)
     _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
     return lse_ref
@@ -392,7 +415,9 @@ def test_paged_decode_append(target, cfg, rng):
         np.testing.assert_allclose(got, want_pages.astype(np.float64), atol=tol, rtol=tol)
 
 
-def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=None):
+def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=None, fused=False):
+    """Ragged prefill of sequences of ``new[b]`` tokens against the reference; ``fused``: the
+    ``_qkv`` kernel reading q, k and v from one fused qkv."""
     n = sum(new)
     q = _rand(rng, (n, spec.num_qo_heads, spec.head_dim), spec.dtype)
     k = _rand(rng, (n, spec.num_kv_heads, spec.head_dim), spec.dtype)
@@ -424,9 +449,10 @@ def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=N
     )
     o = to_dev(np.zeros_like(q), target)
     lse = to_dev(np.zeros((n, spec.num_qo_heads), np.float32), target)
-    args = [q, k, v, q_indptr, q_pos, q_tree]
+    args = [_fused(spec, q, k, v)] if fused else [q, k, v]
+    args += [q_indptr, q_pos, q_tree]
     local = () if layer_window is None else (layer_window,)
-    kernel = lib[f"ragged_prefill_{mask}" + ("_local" if local else "")]
+    kernel = lib[f"ragged_prefill_{mask}" + ("_local" if local else "") + ("_qkv" if fused else "")]
     kernel(*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, *local)
     _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
 
@@ -434,7 +460,10 @@ def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=N
 @pytest.mark.parametrize("cfg", CORE[:6] + EXTRA[:2], ids=lambda c: "-".join(map(str, c)))
 def test_ragged_prefill_causal(target, cfg, rng):
     spec = _spec(target, cfg)
-    _run_ragged(target, spec, _kernels(spec), "causal", [1, 9, 40, 3], rng=rng)
+    lib = _kernels(spec)
+    _run_ragged(target, spec, lib, "causal", [1, 9, 40, 3], rng=rng)
+    _run_ragged(target, spec, lib, "causal", [1, 9, 40, 3], rng=rng, fused=True)
+    _run_paged_prefill(target, spec, lib, "causal", *_edge_batch(spec.page_size), rng=rng, fused=True)
 
 
 LONG_CFGS = [CORE[0], CORE[1], EXTRA[0]]
@@ -477,9 +506,10 @@ def test_prefill_tensor_core(target, cfg, rng):
     for mask in ("causal", "none"):
         _run_paged_prefill(target, spec, lib, mask, hist, new, rng=rng)
     shift = [0, 0, 0, -40, 0, -4, 0, 0, 0]  # sequence 3: its first 35 rows see nothing; 5: 4 rows
-    lse_ref = _run_paged_prefill(target, spec, lib, "causal", hist, new, rng=rng, pos_shift=shift)
-    assert np.isneginf(lse_ref).any() and np.isfinite(lse_ref).any()
-    _run_ragged(target, spec, lib, "causal", [150, 1, 0, 64, 33, 9, 17, 2, 130], rng=rng)
+    for fused in (False, True):
+        lse_ref = _run_paged_prefill(target, spec, lib, "causal", hist, new, rng=rng, pos_shift=shift, fused=fused)
+        assert np.isneginf(lse_ref).any() and np.isfinite(lse_ref).any()
+        _run_ragged(target, spec, lib, "causal", [150, 1, 0, 64, 33, 9, 17, 2, 130], rng=rng, fused=fused)
 
 
 # ---------------------------------------------------------------- targeted variants
@@ -505,6 +535,7 @@ def test_sliding_window(target, cfg, rng):
     hist, new = [40, 0, 50, 33, 64, 70], [5, 3, 1, 9, 2, 1]
     for mask in ("causal", "none"):
         _run_paged_prefill(target, spec, lib, mask, hist, new, rng=rng, sliding=True)
+    _run_paged_prefill(target, spec, lib, "causal", hist, new, rng=rng, sliding=True, fused=True)
     _run_paged_prefill(target, spec, lib, "tree", hist, new, rng=rng, sliding=True, tree=True)
     # decode: the window hides the middle slots; q_pos is the last slot's logical position
     P = spec.page_size

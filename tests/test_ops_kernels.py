@@ -71,6 +71,27 @@ def test_append(target, cfg, rng):
     _assert_bits_equal(out[untouched // P, :, :, untouched % P], pages[untouched // P, :, :, untouched % P])
 
 
+# configurations whose rope-mode "none" kernel set the attention tests build too (append_qkv is in it)
+QKV_CONFIGS = [CONFIGS[1], CONFIGS[4], (8, 2, 64, 16, "float32")]
+
+
+@pytest.mark.parametrize("cfg", QKV_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_append_qkv(target, cfg, rng):
+    """``append_qkv`` stores the k / v heads of a fused qkv (docs/layout.md, "Fused qkv") exactly as
+    ``append`` stores separate k / v, and touches nothing else (q heads are NaN: never read)."""
+    H_qo, H_kv, D, P, dtype = cfg
+    num_pages = 6
+    n = 3 * P + 5
+    pages = _rand(rng, (num_pages, 2, H_kv, P, D), dtype)
+    k, v = _rand(rng, (n, H_kv, D), dtype), _rand(rng, (n, H_kv, D), dtype)
+    qkv = np.concatenate([np.full((n, H_qo, D), np.nan, np.float32).astype(NP_DTYPE[dtype]), k, v], axis=1)
+    slot = rng.permutation((num_pages - 1) * P)[:n].astype(np.int32)
+    slot[rng.random(n) < 0.2] = -1
+    pages_d = to_dev(pages, target)
+    _kernels(target, cfg, "none")["append_qkv"](pages_d, to_dev(qkv, target), to_dev(slot, target))
+    _assert_bits_equal(pages_d.numpy(), ref.append_ref(pages, k, v, slot))
+
+
 def test_append_no_tokens(target, rng):
     cfg = CONFIGS[1]
     _, H_kv, D, P, dtype = cfg

@@ -98,6 +98,9 @@ def test_kernel_set_dispatches_on_arch():
     assert "wgmma" not in mma and "T.ptx.mma(" in mma
     assert "wgmma" not in make_paged_prefill(spec, mask="tree", arch="sm_90").script()
     assert "wgmma" not in make_paged_prefill(spec, mask="causal", arch="sm_90", sliding=True).script()
+    for fused in (make_ragged_prefill, make_paged_prefill):  # the *_qkv variants keep the schedule
+        assert "T.ptx.wgmma(" in fused(spec, mask="causal", arch="sm_90", fused_qkv=True).script()
+        assert "T.ptx.mma(" in fused(spec, mask="causal", arch="sm_80", fused_qkv=True).script()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -123,6 +126,10 @@ def test_nvcc_accepts_without_serializing(tmp_path):
     ):
         for source, mask in (("paged", "none"), ("paged", "causal"), ("ragged", "causal")):
             funcs[f"{source}_{mask}_{k}"] = ph.make_prefill_hopper(spec, source=source, mask=mask, arch="sm_90", **kw)
+    for source in ("paged", "ragged"):  # the default schedule reading q (ragged: q, k, v) from the fused qkv
+        funcs[f"{source}_causal_qkv"] = ph.make_prefill_hopper(
+            KernelSpec(32, 8, 128, 16, "float16", "cuda"), source=source, mask="causal", arch="sm_90", fused_qkv=True
+        )
     src = compile_funcs(funcs, "cuda", "sm_90").mod.imports[0].inspect_source()
     path = tmp_path / "hopper.cu"
     path.write_text(src)

@@ -6,7 +6,9 @@
 layer's pages, qkv, the output and ``sm_scale``. :func:`run_layer` then launches a layer with O(1)
 Python work: split/rotate, append, attention (and the merge of a split decode's chunks) — on cuda a
 decode layer is one launch (``paged_decode_append``: all of it in one kernel, docs/layout.md "Fused
-qkv"), and a split decode merges its chunks in the same kernel (``paged_decode_split_merge``).
+qkv"), and a split decode merges its chunks in the same kernel (``paged_decode_split_merge``); a
+causal prefill in rope mode "none" splits nothing: ``append_qkv`` stores the new K/V from qkv and the
+attention's ``*_qkv`` kernel reads q (ragged: q, k and v) from qkv in place.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Forward:
     split: tuple = ()  # split_rope's arguments after qkv (split_rope_append's before pages when fused)
     append: tuple = ()  # append's arguments after pages (split_rope_append's when fused)
     fused: bool = False  # kernels[0] is split_rope_append (split + rotate + append, one launch)
+    direct: bool = False  # a prefill reading qkv in place: append_qkv, then the attention's *_qkv kernel
     attn_head: tuple = ()  # attention arguments before pages (all before o when not paged)
     attn_tail: tuple = ()  # attention arguments after pages, before o
     attn_end: tuple = ()  # lse (after o, before sm_scale); rope (after sm_scale)
@@ -275,6 +278,13 @@ class Launcher:
         else:
             fwd.attn_head = (s["q"], d["q_indptr"], d["q_pos"])
             fwd.attn_tail = paged_tail
+        if kernel + "_qkv" in lib and not cfg.has_local_layers:
+            # rope mode "none": nothing to rotate, so the prefill reads qkv where it is (docs/layout.md,
+            # "Fused qkv"): append_qkv stores the new K/V, the attention takes qkv as its first argument
+            fwd.direct, fwd.fused = True, False
+            fwd.kernels = (None, lib["append_qkv"], lib[kernel + "_qkv"])
+            fwd.split, fwd.append = (), (d["slots"],)
+            fwd.attn_head = fwd.attn_head[-3:] if kernel == "ragged_prefill_causal" else fwd.attn_head[1:]
         return fwd
 
 
@@ -289,7 +299,7 @@ def graph_key(fwd: Forward) -> tuple:
         if fwd.counter is not None:
             bufs += (fwd.counter,)
         where = tuple((b.data_ptr(), tuple(b.shape)) for b in bufs)
-        launches = (fwd.fused, fwd.merge is not None, fwd.counter is not None, len(fwd.single))
+        launches = (fwd.fused, fwd.direct, fwd.merge is not None, fwd.counter is not None, len(fwd.single))
         fwd.key = (fwd.kernel, fwd.total, launches, fwd.decode_split, where)
     return fwd.key
 
@@ -303,12 +313,19 @@ def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> 
         kernel(qkv, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, *trailing)
         return
     split_rope, append, attention = fwd.kernels
+    lse, rope_scale, rope_theta = fwd.attn_end
+    if fwd.direct:  # no split: the kernels read q (and ragged k, v) from qkv; never a local layer
+        append(pages, qkv, *fwd.append)
+        if fwd.paged:
+            attention(qkv, *fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
+        else:
+            attention(qkv, *fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
+        return
     if fwd.fused:  # split + rotate + append in one kernel
         split_rope(qkv, *fwd.split, pages, *fwd.append)
     else:
         split_rope(qkv, *fwd.split)
         append(pages, *fwd.append)
-    lse, rope_scale, rope_theta = fwd.attn_end
     if window:  # a local layer: the window's kernel variant, never split
         if fwd.paged:
             fwd.local(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta, window)

@@ -16,8 +16,8 @@ Modules:
   ``prefill`` / ``ragged`` / ``decode`` (the factories, which pick the schedule, by target and arch;
   ``decode`` also holds the llvm split decode), ``decode_layout`` (the CUDA decode's static layout
   and :func:`split_granule`; no TVM import).
-* data movement: ``append``, ``rope`` (``split_rope``, ``rope_q``, ``split_rope_append`` = split_rope +
-  append in one kernel; their RoPE variants are described
+* data movement: ``append`` (and ``append_qkv``, reading the fused qkv), ``rope`` (``split_rope``,
+  ``rope_q``, ``split_rope_append`` = split_rope + append in one kernel; their RoPE variants are described
   by ``rope_scaling``'s :class:`RopeScaling`, plain Python), ``merge`` (``merge_state``,
   ``merge_splits``), ``page_ops`` (``copy_page``, ``compact_copy``, ``gather``, ``gather_pages``,
   ``scatter_pages``).
@@ -57,6 +57,9 @@ def kernel_set(
     only; None: the default RoPE over the whole head) is the RoPE variant ``split_rope`` and
     ``rope_q`` bake in. ``arch`` (cuda only, e.g. "sm_90") lets the prefill kernels use the
     instructions of that architecture (sm_90: warpgroup MMA, :mod:`tvmkv.tir.prefill_hopper`).
+    Rope mode "none" adds ``append_qkv``, ``paged_prefill_causal_qkv`` and
+    ``ragged_prefill_causal_qkv``: a prefill that reads q (and, ragged, k and v) straight from the
+    fused qkv, so it needs no ``split_rope`` (docs/layout.md, "Fused qkv").
     """
     from . import append, decode, merge, page_ops, prefill, ragged, rope
 
@@ -100,6 +103,14 @@ def kernel_set(
             )
             if f is not None and kernels["paged_decode_split"] is not None:  # cuda, fast decode layout
                 kernels[name] = f
+    if rope_mode == "none":  # prefill reading q / k / v from the fused qkv in place (no split_rope)
+        kernels["append_qkv"] = append.make_append(spec, fused_qkv=True)
+        kernels["paged_prefill_causal_qkv"] = prefill.make_paged_prefill(
+            spec, mask="causal", sliding=sliding, arch=arch, fused_qkv=True
+        )
+        kernels["ragged_prefill_causal_qkv"] = ragged.make_ragged_prefill(
+            spec, mask="causal", arch=arch, fused_qkv=True
+        )
     if kernels["paged_decode_split"] is None:  # cuda shapes without the fast decode layout: no split
         del kernels["paged_decode_split"]
     if kernels["paged_decode_split_merge"] is None:  # llvm, or no split: split + merge_splits

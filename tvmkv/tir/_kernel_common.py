@@ -7,6 +7,7 @@
 * :func:`slots`: names for the elements of a small local state buffer.
 * :func:`heads_per_block`: the CUDA block shape of the data-movement kernels.
 * :func:`rope_inv_freq`: the one RoPE frequency formula (docs/layout.md, "RoPE").
+* :func:`qkv_view`: a view of some heads of the fused qkv, for the kernels that read it directly.
 """
 
 from __future__ import annotations
@@ -100,3 +101,13 @@ def rope_inv_freq(rope_scale, rope_theta, i, head_dim: int):
     """TIR expression of the RoPE frequency of rotate-half pair ``i`` (``0 <= i < D/2``), in float32:
     ``rope_scale / rope_theta ** (2 i / D)`` (in this order, as Hugging Face's ``inv_freq``)."""
     return rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * i) / T.float32(head_dim))
+
+
+def qkv_view(spec: KernelSpec, first: int) -> dict:
+    """``T.decl_buffer`` keyword arguments that view the fused ``qkv [n, H_qo + 2 H_kv, D]`` from its
+    head ``first`` on (docs/layout.md, "Fused qkv"): the view keeps qkv's shape and starts
+    ``first`` heads in, so ``view[t, h, d]`` is head ``first + h`` of token ``t`` and the kernels that
+    read q, k or v straight from qkv (``*_qkv``) index the views as they index separate arrays. (A
+    view declared with its own head count and qkv's strides would read wrong rows: TVM 0.27's tirx
+    lowering flattens a declared buffer as if it were compact, keeping only its offset.)"""
+    return {"elem_offset": first * spec.head_dim}

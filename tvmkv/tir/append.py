@@ -6,16 +6,34 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro
+from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro, qkv_view
 from .spec import KernelSpec
 
 
-def append_func(spec: KernelSpec, body):
+def append_func(spec: KernelSpec, body, *, fused_qkv: bool = False):
     """The ``append`` PrimFunc of ``spec`` around ``body``, a macro without arguments; one signature
     for every target. The parameters are those of :func:`make_append`; ``body`` reads them by name
-    (size ``n``, the number of tokens)."""
+    (size ``n``, the number of tokens). ``fused_qkv``: ``append_qkv(pages, qkv, slot)``, whose ``k``
+    and ``v`` are views of the fused ``qkv [n, H_qo + 2 H_kv, D]`` (docs/layout.md, "Fused qkv")."""
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     attrs = func_attrs(spec)
+    if fused_qkv:
+        QH = spec.qkv_heads
+        k_view, v_view = qkv_view(spec, spec.num_qo_heads), qkv_view(spec, spec.num_qo_heads + H)
+
+        @T.prim_func
+        def append_qkv(var_pages: T.handle, var_qkv: T.handle, var_slot: T.handle):
+            T.func_attr(attrs)
+            num_pages = T.int32()
+            n = T.int32()
+            pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+            qkv = T.match_buffer(var_qkv, (n, QH, D), dtype)
+            slot = T.match_buffer(var_slot, (n,), "int32")
+            k = T.decl_buffer((n, QH, D), dtype, data=qkv.data, **k_view)
+            v = T.decl_buffer((n, QH, D), dtype, data=qkv.data, **v_view)
+            body()
+
+        return append_qkv
 
     @T.prim_func
     def append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_slot: T.handle):
@@ -31,8 +49,10 @@ def append_func(spec: KernelSpec, body):
     return append
 
 
-def make_append(spec: KernelSpec):
+def make_append(spec: KernelSpec, *, fused_qkv: bool = False):
     """``append(pages, k, v, slot)``: write token ``i``'s K and V at ``slot[i]``; ``slot[i] < 0`` skips it.
+    ``fused_qkv``: ``append_qkv(pages, qkv, slot)``, reading ``k`` and ``v`` from the fused qkv (rope
+    mode "none": the keys are stored as given).
 
     Parameters
     ----------
@@ -71,4 +91,4 @@ def make_append(spec: KernelSpec):
                                     pages[slot[i] // P, 0, h, slot[i] % P, c * V + e] = k[i, h, c * V + e]
                                     pages[slot[i] // P, 1, h, slot[i] % P, c * V + e] = v[i, h, c * V + e]
 
-    return append_func(spec, cpu_body if spec.is_cpu else gpu_body)
+    return append_func(spec, cpu_body if spec.is_cpu else gpu_body, fused_qkv=fused_qkv)

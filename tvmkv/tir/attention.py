@@ -23,7 +23,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._kernel_common import func_attrs
+from ._kernel_common import func_attrs, qkv_view
 from .decode_layout import MERGE_MAX_SPLITS
 from .spec import KernelSpec
 
@@ -133,14 +133,17 @@ def _with_layer_window(func, layer_window):
     return func
 
 
-def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False):
+def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qkv: bool = False):
     """The ``paged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a macro without arguments;
     one signature for every mask, target and schedule. The parameters are those of
     :func:`tvmkv.tir.prefill.make_paged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``).
-    ``local``: plus the trailing ``layer_window`` (int32)."""
+    ``local``: plus the trailing ``layer_window`` (int32). ``fused_qkv``: the first parameter is the
+    fused ``qkv [n, H_qo + 2 H_kv, D]`` and ``q`` the view of its query heads (``*_qkv`` kernels)."""
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     attrs = func_attrs(spec)
     lw = _layer_window_var(local)
+    QH = spec.qkv_heads if fused_qkv else H_qo  # heads of the first parameter
+    q_view = qkv_view(spec, 0)
 
     @T.prim_func(check_well_formed=lw is None)
     def paged_prefill(
@@ -171,7 +174,7 @@ def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False):
         bt = T.int32()
         m_tree = T.int32()
         bs = T.int32()
-        q = T.match_buffer(var_q, (n, H_qo, D), dtype)
+        q_in = T.match_buffer(var_q, (n, QH, D), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (B + 1,), "int32")
         q_pos = T.match_buffer(var_q_pos, (n,), "int32")
         pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
@@ -185,19 +188,28 @@ def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False):
         kv_tree_start = T.match_buffer(var_kv_tree_start, (bs,), "int32")
         o = T.match_buffer(var_o, (n, H_qo, D), dtype)
         lse = T.match_buffer(var_lse, (n, H_qo), "float32")
+        if fused_qkv:  # (a Python condition: resolved while parsing)
+            q = T.decl_buffer((n, QH, D), dtype, data=q_in.data, **q_view)
+        else:
+            q = T.meta_var(q_in)
         layer_window = T.meta_var(lw)
         body()
 
     return _with_layer_window(paged_prefill, lw)
 
 
-def ragged_prefill_func(spec: KernelSpec, body, *, local: bool = False):
+def ragged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qkv: bool = False):
     """The ``ragged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a macro without arguments;
     one signature for every mask, target and schedule. The parameters are those of
     :func:`tvmkv.tir.ragged.make_ragged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``,
-    the number of sequences). ``local``: plus the trailing ``layer_window`` (int32)."""
+    the number of sequences). ``local``: plus the trailing ``layer_window`` (int32). ``fused_qkv``
+    (not with ``local``): the fused ``qkv [n, H_qo + 2 H_kv, D]`` replaces the parameters ``q``, ``k``
+    and ``v``, which the body reads as views of its heads (``ragged_prefill_causal_qkv``)."""
     H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     attrs = func_attrs(spec)
+    if fused_qkv:
+        assert not local, "ragged_prefill_func: no fused-qkv variant of a local-window kernel"
+        return _ragged_prefill_qkv(spec, body)
     lw = _layer_window_var(local)
 
     @T.prim_func(check_well_formed=lw is None)
@@ -231,6 +243,44 @@ def ragged_prefill_func(spec: KernelSpec, body, *, local: bool = False):
         body()
 
     return _with_layer_window(ragged_prefill, lw)
+
+
+def _ragged_prefill_qkv(spec: KernelSpec, body):
+    """``ragged_prefill_causal_qkv`` (see :func:`ragged_prefill_func`)."""
+    H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    attrs = func_attrs(spec)
+    QH = spec.qkv_heads
+    q_view, k_view, v_view = (qkv_view(spec, 0), qkv_view(spec, H_qo), qkv_view(spec, H_qo + H_kv))
+
+    @T.prim_func
+    def ragged_prefill_qkv(
+        var_qkv: T.handle,
+        var_q_indptr: T.handle,
+        var_q_pos: T.handle,
+        var_q_tree: T.handle,
+        var_o: T.handle,
+        var_lse: T.handle,
+        sm_scale: T.float32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+    ):
+        T.func_attr(attrs)
+        n = T.int32()
+        B1 = T.int32()
+        nt = T.int32()
+        qkv = T.match_buffer(var_qkv, (n, QH, D), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (B1,), "int32")
+        q_pos = T.match_buffer(var_q_pos, (n,), "int32")
+        q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
+        o = T.match_buffer(var_o, (n, H_qo, D), dtype)
+        lse = T.match_buffer(var_lse, (n, H_qo), "float32")
+        q = T.decl_buffer((n, QH, D), dtype, data=qkv.data, **q_view)
+        k = T.decl_buffer((n, QH, D), dtype, data=qkv.data, **k_view)
+        v = T.decl_buffer((n, QH, D), dtype, data=qkv.data, **v_view)
+        B = T.meta_var(B1 - 1)
+        body()
+
+    return ragged_prefill_qkv
 
 
 def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, merge: bool = False, append: bool = False):

@@ -66,7 +66,16 @@ def _add(a, b):
     return a + b
 
 
-def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, inline_rope: bool, local: bool = False):
+def build_attention(
+    spec: KernelSpec,
+    *,
+    source: str,
+    mask: str,
+    sliding: bool,
+    inline_rope: bool,
+    local: bool = False,
+    fused_qkv: bool = False,
+):
     """Build one attention PrimFunc.
 
     Parameters
@@ -87,6 +96,9 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
         trailing ``layer_window``; a key is visible only if ``q_pos - pos(j) < layer_window`` (ragged:
         ``i - j < layer_window`` in rows of the sequence), and the key scan starts at the first key
         that can be. Causal prefill and decode only.
+    fused_qkv : bool
+        Read q (ragged: q, k and v) from the fused qkv (the ``*_qkv`` signatures of
+        :mod:`tvmkv.tir.attention`). Prefill sources only, not with ``local``.
     """
     assert source in ("paged", "decode", "ragged") and mask in ("none", "causal", "tree")
     assert not local or mask == ("none" if source == "decode" else "causal")
@@ -704,7 +716,7 @@ def build_attention(spec: KernelSpec, *, source: str, mask: str, sliding: bool, 
             gpu_body(n, k, v)
 
     if source == "paged":
-        return paged_prefill_func(spec, paged_body, local=local)
+        return paged_prefill_func(spec, paged_body, local=local, fused_qkv=fused_qkv)
     if source == "decode":
         return decode_func(spec, decode_body, split=False, local=local)
-    return ragged_prefill_func(spec, ragged_body, local=local)
+    return ragged_prefill_func(spec, ragged_body, local=local, fused_qkv=fused_qkv)

@@ -16,6 +16,7 @@ def make_paged_prefill(
     inline_rope: bool = False,
     local: bool = False,
     arch: str | None = None,
+    fused_qkv: bool = False,
 ):
     """Attention of ragged queries over paged K/V (history + this forward's tokens, already appended).
 
@@ -62,10 +63,15 @@ def make_paged_prefill(
     local : bool
         ``paged_prefill_causal_local``: the layer's sliding window on top of the causal mask, with the
         trailing ``layer_window`` parameter (generic schedule on every target; mask "causal" only).
+    fused_qkv : bool
+        ``paged_prefill_<mask>_qkv``: the first parameter is the fused ``qkv [n, H_qo + 2 H_kv, D]``
+        (docs/layout.md, "Fused qkv") and q is read from its query heads in place. Not with ``local``.
     """
     if mask not in PREFILL_MASKS:
         raise ValueError(f"mask={mask!r} is not one of {PREFILL_MASKS}")
     if local:
+        if fused_qkv:
+            raise ValueError("local=True has no fused-qkv variant; pass fused_qkv=False")
         if mask != "causal":
             raise ValueError(f"mask={mask!r} has no local-window variant; local=True needs mask='causal'")
         return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope, local=True)
@@ -74,7 +80,9 @@ def make_paged_prefill(
         from .prefill_hopper import hopper_layout, make_prefill_hopper
 
         if hopper_layout(spec, mask=mask, arch=arch, sliding=sliding, inline_rope=inline_rope) is not None:
-            return make_prefill_hopper(spec, source="paged", mask=mask, arch=arch)
+            return make_prefill_hopper(spec, source="paged", mask=mask, arch=arch, fused_qkv=fused_qkv)
         if prefill_layout(spec, mask=mask, sliding=sliding, inline_rope=inline_rope) is not None:
-            return make_prefill_cuda(spec, source="paged", mask=mask)
-    return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope)
+            return make_prefill_cuda(spec, source="paged", mask=mask, fused_qkv=fused_qkv)
+    return build_attention(
+        spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope, fused_qkv=fused_qkv
+    )

@@ -347,6 +347,7 @@ def make_prefill_cuda(
     mask: str,
     num_warps: int = DEFAULT_WARPS,
     min_blocks: int | None | str = "auto",
+    fused_qkv: bool = False,
 ):
     """The tensor-core PrimFunc for ``source`` "paged" (signature of ``prefill.make_paged_prefill``)
     or "ragged" (signature of ``ragged.make_ragged_prefill``). The caller checks
@@ -354,7 +355,8 @@ def make_prefill_cuda(
 
     ``num_warps`` (query rows per block = 16 x warps) and ``min_blocks`` (the second argument of
     ``__launch_bounds__``, None for no register cap, "auto" for ``DEFAULT_MIN_BLOCKS[source]``) are
-    tuning knobs; the defaults are what the runtime uses."""
+    tuning knobs; the defaults are what the runtime uses. ``fused_qkv``: the ``*_qkv`` signature (q,
+    and for ragged k and v, read from the fused qkv)."""
     assert source in ("paged", "ragged")
     lay = prefill_layout(spec, mask=mask, num_warps=num_warps)
     assert lay is not None, "make_prefill_cuda called for a configuration outside the fast path"
@@ -604,5 +606,5 @@ def make_prefill_cuda(
             blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
 
     if paged:
-        return paged_prefill_func(spec, fa_body)
-    return ragged_prefill_func(spec, fa_body)
+        return paged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)
+    return ragged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)

@@ -178,11 +178,12 @@ def make_prefill_hopper(
     pingpong: bool = DEFAULT_PINGPONG,
     warpgroups: int = DEFAULT_WARPGROUPS,
     producer: bool = DEFAULT_PRODUCER,
+    fused_qkv: bool = False,
 ):
     """The wgmma PrimFunc for ``source`` "paged" or "ragged" (the signatures of
     :func:`tvmkv.tir.attention.paged_prefill_func` / ``ragged_prefill_func``). The caller checks
     :func:`hopper_layout` first; ``bc`` and ``stages`` are tuning knobs (defaults: what the runtime
-    builds)."""
+    builds). ``fused_qkv``: the ``*_qkv`` signature (q, and for ragged k and v, read from the fused qkv)."""
     assert source in ("paged", "ragged")
     lay = hopper_layout(
         spec,
@@ -562,5 +563,5 @@ def make_prefill_hopper(
                 blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
 
     if paged:
-        return paged_prefill_func(spec, fa_body)
-    return ragged_prefill_func(spec, fa_body)
+        return paged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)
+    return ragged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)

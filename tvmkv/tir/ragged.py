@@ -15,6 +15,7 @@ def make_ragged_prefill(
     inline_rope: bool = False,
     local: bool = False,
     arch: str | None = None,
+    fused_qkv: bool = False,
 ):
     """Attention of the new tokens over the new tokens of the same sequence (k/v not paged).
 
@@ -49,10 +50,16 @@ def make_ragged_prefill(
     local : bool
         ``ragged_prefill_causal_local``: the layer's sliding window on top of the causal mask, with the
         trailing ``layer_window`` parameter (generic schedule on every target; mask "causal" only).
+    fused_qkv : bool
+        ``ragged_prefill_causal_qkv``: the first three parameters become the fused ``qkv [n, H_qo + 2
+        H_kv, D]`` (docs/layout.md, "Fused qkv"), from which q, k and v are read in place (rope mode
+        "none" or "inline": the keys need no rotation before they are read). Not with ``local``.
     """
     if mask not in RAGGED_MASKS:
         raise ValueError(f"mask={mask!r} is not one of {RAGGED_MASKS}")
     if local:
+        if fused_qkv:
+            raise ValueError("local=True has no fused-qkv variant; pass fused_qkv=False")
         if mask != "causal":
             raise ValueError(f"mask={mask!r} has no local-window variant; local=True needs mask='causal'")
         return build_attention(spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope, local=True)
@@ -61,7 +68,9 @@ def make_ragged_prefill(
         from .prefill_hopper import hopper_layout, make_prefill_hopper
 
         if hopper_layout(spec, mask=mask, arch=arch, inline_rope=inline_rope) is not None:
-            return make_prefill_hopper(spec, source="ragged", mask=mask, arch=arch)
+            return make_prefill_hopper(spec, source="ragged", mask=mask, arch=arch, fused_qkv=fused_qkv)
         if prefill_layout(spec, mask=mask, inline_rope=inline_rope) is not None:
-            return make_prefill_cuda(spec, source="ragged", mask=mask)
-    return build_attention(spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope)
+            return make_prefill_cuda(spec, source="ragged", mask=mask, fused_qkv=fused_qkv)
+    return build_attention(
+        spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope, fused_qkv=fused_qkv
+    )
