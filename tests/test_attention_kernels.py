@@ -18,6 +18,7 @@ from conftest import to_dev
 
 from tvmkv.build import load_kernels
 from tvmkv.reference import attention as ref
+from tvmkv.reference import ops as ops_ref
 from tvmkv.tir import split_granule
 from tvmkv.tir.decode_layout import MERGE_MAX_SPLITS
 from tvmkv.tir.spec import KernelSpec
@@ -417,7 +418,8 @@ def test_paged_decode_append(target, cfg, rng):
 
 def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=None, fused=False):
     """Ragged prefill of sequences of ``new[b]`` tokens against the reference; ``fused``: the
-    ``_qkv`` kernel reading q, k and v from one fused qkv."""
+    ``_qkv`` kernel, reading q, k and v from one fused qkv and storing k / v at random slots of a page
+    pool of garbage (some tokens skipped), checked bit for bit against the NumPy append."""
     n = sum(new)
     q = _rand(rng, (n, spec.num_qo_heads, spec.head_dim), spec.dtype)
     k = _rand(rng, (n, spec.num_kv_heads, spec.head_dim), spec.dtype)
@@ -451,10 +453,21 @@ def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=N
     lse = to_dev(np.zeros((n, spec.num_qo_heads), np.float32), target)
     args = [_fused(spec, q, k, v)] if fused else [q, k, v]
     args += [q_indptr, q_pos, q_tree]
+    if fused:
+        P = spec.page_size
+        num_pages = -(-n // P) + 2
+        pages = _rand(rng, (num_pages, 2, spec.num_kv_heads, P, spec.head_dim), spec.dtype)
+        slot = rng.permutation(num_pages * P)[:n].astype(np.int32)
+        slot[rng.random(n) < 0.2] = -1
+        args += [pages, slot]
+    dev = [to_dev(a, target) for a in args]
     local = () if layer_window is None else (layer_window,)
     kernel = lib[f"ragged_prefill_{mask}" + ("_local" if local else "") + ("_qkv" if fused else "")]
-    kernel(*[to_dev(a, target) for a in args], o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, *local)
+    kernel(*dev, o, lse, sm_scale, ROPE_SCALE, ROPE_THETA, *local)
     _check(o, lse, o_ref, lse_ref, spec.dtype, rope)
+    if fused:
+        want = ops_ref.append_ref(pages, k, v, slot)
+        np.testing.assert_array_equal(dev[-2].numpy().view(np.uint8), want.view(np.uint8))
 
 
 @pytest.mark.parametrize("cfg", CORE[:6] + EXTRA[:2], ids=lambda c: "-".join(map(str, c)))

@@ -7,8 +7,9 @@ layer's pages, qkv, the output and ``sm_scale``. :func:`run_layer` then launches
 Python work: split/rotate, append, attention (and the merge of a split decode's chunks) — on cuda a
 decode layer is one launch (``paged_decode_append``: all of it in one kernel, docs/layout.md "Fused
 qkv"), and a split decode merges its chunks in the same kernel (``paged_decode_split_merge``); a
-causal prefill in rope mode "none" splits nothing: ``append_qkv`` stores the new K/V from qkv and the
-attention's ``*_qkv`` kernel reads q (ragged: q, k and v) from qkv in place.
+causal prefill in rope mode "none" splits nothing: the attention's ``*_qkv`` kernel reads q (ragged: q,
+k and v) from qkv in place, and ``append_qkv`` stores the new K/V from qkv (the ragged kernel stores
+them itself: a prefill without history is one launch).
 """
 
 from __future__ import annotations
@@ -284,7 +285,11 @@ class Launcher:
             fwd.direct, fwd.fused = True, False
             fwd.kernels = (None, lib["append_qkv"], lib[kernel + "_qkv"])
             fwd.split, fwd.append = (), (d["slots"],)
-            fwd.attn_head = fwd.attn_head[-3:] if kernel == "ragged_prefill_causal" else fwd.attn_head[1:]
+            if kernel == "ragged_prefill_causal":  # stores the new K/V at their slots itself
+                fwd.kernels = (None, None, fwd.kernels[2])
+                fwd.attn_head, fwd.attn_tail = fwd.attn_head[-3:], (d["slots"],)
+            else:
+                fwd.attn_head = fwd.attn_head[1:]
         return fwd
 
 
@@ -315,11 +320,9 @@ def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> 
     split_rope, append, attention = fwd.kernels
     lse, rope_scale, rope_theta = fwd.attn_end
     if fwd.direct:  # no split: the kernels read q (and ragged k, v) from qkv; never a local layer
-        append(pages, qkv, *fwd.append)
-        if fwd.paged:
-            attention(qkv, *fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
-        else:
-            attention(qkv, *fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
+        if append is not None:  # (the ragged kernel stores K/V itself)
+            append(pages, qkv, *fwd.append)
+        attention(qkv, *fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
         return
     if fwd.fused:  # split + rotate + append in one kernel
         split_rope(qkv, *fwd.split, pages, *fwd.append)

@@ -59,7 +59,8 @@ def kernel_set(
     instructions of that architecture (sm_90: warpgroup MMA, :mod:`tvmkv.tir.prefill_hopper`).
     Rope mode "none" adds ``append_qkv``, ``paged_prefill_causal_qkv`` and
     ``ragged_prefill_causal_qkv``: a prefill that reads q (and, ragged, k and v) straight from the
-    fused qkv, so it needs no ``split_rope`` (docs/layout.md, "Fused qkv").
+    fused qkv, so it needs no ``split_rope``; the ragged one also stores the new K/V (docs/layout.md,
+    "Fused qkv").
     """
     from . import append, decode, merge, page_ops, prefill, ragged, rope
 

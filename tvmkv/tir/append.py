@@ -64,6 +64,13 @@ def make_append(spec: KernelSpec, *, fused_qkv: bool = False):
     slot : [n], int32
         ``page_id * P + offset`` of each token, or negative to skip it.
     """
+    return append_func(spec, append_body(spec), fused_qkv=fused_qkv)
+
+
+def append_body(spec: KernelSpec):
+    """The append schedule of ``spec``'s target: a macro without arguments that stores ``k[i]`` /
+    ``v[i]`` at ``slot[i]`` of ``pages`` for each of the ``n`` tokens, reading those names where it is
+    expanded (the ``append`` signature, or a kernel that also appends: ``ragged_prefill_causal_qkv``)."""
     H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     V = copy_vector(spec.dtype, D)  # elements a cuda thread moves (one vector access)
     HY = heads_per_block(H, D // V)
@@ -91,4 +98,4 @@ def make_append(spec: KernelSpec, *, fused_qkv: bool = False):
                                     pages[slot[i] // P, 0, h, slot[i] % P, c * V + e] = k[i, h, c * V + e]
                                     pages[slot[i] // P, 1, h, slot[i] % P, c * V + e] = v[i, h, c * V + e]
 
-    return append_func(spec, cpu_body if spec.is_cpu else gpu_body, fused_qkv=fused_qkv)
+    return cpu_body if spec.is_cpu else gpu_body

@@ -24,6 +24,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._kernel_common import func_attrs, qkv_view
+from .append import append_body
 from .decode_layout import MERGE_MAX_SPLITS
 from .spec import KernelSpec
 
@@ -198,18 +199,23 @@ def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qkv
     return _with_layer_window(paged_prefill, lw)
 
 
-def ragged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qkv: bool = False):
+def ragged_prefill_func(
+    spec: KernelSpec, body, *, local: bool = False, fused_qkv: bool = False, body_stores_kv: bool = False
+):
     """The ``ragged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a macro without arguments;
     one signature for every mask, target and schedule. The parameters are those of
     :func:`tvmkv.tir.ragged.make_ragged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``,
     the number of sequences). ``local``: plus the trailing ``layer_window`` (int32). ``fused_qkv``
-    (not with ``local``): the fused ``qkv [n, H_qo + 2 H_kv, D]`` replaces the parameters ``q``, ``k``
-    and ``v``, which the body reads as views of its heads (``ragged_prefill_causal_qkv``)."""
+    (not with ``local``): ``ragged_prefill_causal_qkv``, which also appends: the fused ``qkv [n, H_qo +
+    2 H_kv, D]`` replaces the parameters ``q``, ``k`` and ``v`` (the body reads them as views of its
+    heads), and ``pages`` / ``slot`` follow ``q_tree``: the kernel stores each token's k and v at its
+    slot as ``append`` does (a body that does so itself says ``body_stores_kv``; otherwise the append
+    schedule of :func:`tvmkv.tir.append.append_body` runs before it)."""
     H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     attrs = func_attrs(spec)
     if fused_qkv:
         assert not local, "ragged_prefill_func: no fused-qkv variant of a local-window kernel"
-        return _ragged_prefill_qkv(spec, body)
+        return _ragged_prefill_qkv(spec, body, body_stores_kv)
     lw = _layer_window_var(local)
 
     @T.prim_func(check_well_formed=lw is None)
@@ -245,10 +251,11 @@ def ragged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qk
     return _with_layer_window(ragged_prefill, lw)
 
 
-def _ragged_prefill_qkv(spec: KernelSpec, body):
+def _ragged_prefill_qkv(spec: KernelSpec, body, body_stores_kv: bool):
     """``ragged_prefill_causal_qkv`` (see :func:`ragged_prefill_func`)."""
-    H_qo, H_kv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     attrs = func_attrs(spec)
+    store_kv = append_body(spec)
     QH = spec.qkv_heads
     q_view, k_view, v_view = (qkv_view(spec, 0), qkv_view(spec, H_qo), qkv_view(spec, H_qo + H_kv))
 
@@ -258,6 +265,8 @@ def _ragged_prefill_qkv(spec: KernelSpec, body):
         var_q_indptr: T.handle,
         var_q_pos: T.handle,
         var_q_tree: T.handle,
+        var_pages: T.handle,
+        var_slot: T.handle,
         var_o: T.handle,
         var_lse: T.handle,
         sm_scale: T.float32,
@@ -268,16 +277,21 @@ def _ragged_prefill_qkv(spec: KernelSpec, body):
         n = T.int32()
         B1 = T.int32()
         nt = T.int32()
+        num_pages = T.int32()
         qkv = T.match_buffer(var_qkv, (n, QH, D), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (B1,), "int32")
         q_pos = T.match_buffer(var_q_pos, (n,), "int32")
         q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        slot = T.match_buffer(var_slot, (n,), "int32")
         o = T.match_buffer(var_o, (n, H_qo, D), dtype)
         lse = T.match_buffer(var_lse, (n, H_qo), "float32")
         q = T.decl_buffer((n, QH, D), dtype, data=qkv.data, **q_view)
         k = T.decl_buffer((n, QH, D), dtype, data=qkv.data, **k_view)
         v = T.decl_buffer((n, QH, D), dtype, data=qkv.data, **v_view)
         B = T.meta_var(B1 - 1)
+        if not body_stores_kv:  # (resolved while parsing) the append schedule first, then attention
+            store_kv()
         body()
 
     return ragged_prefill_qkv

@@ -183,7 +183,9 @@ def make_prefill_hopper(
     """The wgmma PrimFunc for ``source`` "paged" or "ragged" (the signatures of
     :func:`tvmkv.tir.attention.paged_prefill_func` / ``ragged_prefill_func``). The caller checks
     :func:`hopper_layout` first; ``bc`` and ``stages`` are tuning knobs (defaults: what the runtime
-    builds). ``fused_qkv``: the ``*_qkv`` signature (q, and for ragged k and v, read from the fused qkv)."""
+    builds). ``fused_qkv``: the ``*_qkv`` signature (q, and for ragged k and v, read from the fused qkv;
+    the ragged kernel also stores k and v at their slots, from the copying warpgroup once it has issued
+    its copies: no separate append launch)."""
     assert source in ("paged", "ragged")
     lay = hopper_layout(
         spec,
@@ -214,6 +216,10 @@ def make_prefill_hopper(
     NW = NTH // WARP
     KVP = BC * CPR // 128  # chunks of a K or V tile each thread of the copying warpgroup issues
     PREFETCH = ST - 2 if overlap or pingpong else ST - 1  # tiles in flight ahead of the one computed
+    # ragged_prefill_causal_qkv stores the new K/V itself: the copying warpgroup, once its copies are
+    # issued, writes the block's own tokens (RT of them, kv head hk) at their slots
+    stores_kv = fused_qkv and not paged and producer
+    SKV = (RT * CPR + 127) // 128  # 16-byte chunks of a K (and a V) row set per copying thread
     blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC)
     Q_OFF = 0
 
@@ -440,6 +446,25 @@ def make_prefill_hopper(
                 T.ptx["barrier.sync.aligned"](T.uint32(1), T.uint32(NT))  # consume warpgroup 1's first arrive
 
     @macro
+    def store_kv():
+        # K and V rows of the block's tokens (kv head hk) from qkv to their slots (slot < 0: skipped);
+        # every (token, kv head) is one block's: the tile of the token, the block of the head
+        for i in T.unroll(SKV):
+            u = T.meta_var(tx - NT + i * 128)
+            j = T.meta_var(u // CPR)
+            c = T.meta_var(u % CPR)
+            if u < RT * CPR and j < sv[BLOCK.ntok]:
+                if slot[sv[BLOCK.t0] + j] >= 0:
+                    for e in T.vectorized(8):
+                        pages[slot[sv[BLOCK.t0] + j] >> LOGP, 0, hk, slot[sv[BLOCK.t0] + j] & PMASK, c * 8 + e] = k[
+                            sv[BLOCK.t0] + j, hk, c * 8 + e
+                        ]
+                    for e in T.vectorized(8):
+                        pages[slot[sv[BLOCK.t0] + j] >> LOGP, 1, hk, slot[sv[BLOCK.t0] + j] & PMASK, c * 8 + e] = v[
+                            sv[BLOCK.t0] + j, hk, c * 8 + e
+                        ]
+
+    @macro
     def load_q():
         # the computing threads copy the Q tile (one cp.async commit group)
         for i in T.unroll(QI):
@@ -532,6 +557,8 @@ def make_prefill_hopper(
                         T.ptx["cp.async.wait_group"](0)
                         T.ptx["fence.proxy.async.shared::cta"]()
                         T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([(sv[BLOCK.nkt] - 1) % ST]))
+                    if stores_kv:  # (resolved while parsing) while the computing warpgroups finish
+                        store_kv()
                 else:
                     T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
                     load_q()
@@ -564,4 +591,4 @@ def make_prefill_hopper(
 
     if paged:
         return paged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)
-    return ragged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)
+    return ragged_prefill_func(spec, fa_body, fused_qkv=fused_qkv, body_stores_kv=stores_kv)

@@ -53,7 +53,9 @@ def make_ragged_prefill(
     fused_qkv : bool
         ``ragged_prefill_causal_qkv``: the first three parameters become the fused ``qkv [n, H_qo + 2
         H_kv, D]`` (docs/layout.md, "Fused qkv"), from which q, k and v are read in place (rope mode
-        "none" or "inline": the keys need no rotation before they are read). Not with ``local``.
+        "none": the keys need no rotation), and ``pages [num_pages, 2, H_kv, P, D]`` / ``slot [n]``
+        follow ``q_tree``: the kernel also stores each token's k and v at ``slot[i]`` (negative:
+        skipped), as ``append`` does. Not with ``local``.
     """
     if mask not in RAGGED_MASKS:
         raise ValueError(f"mask={mask!r} is not one of {RAGGED_MASKS}")
