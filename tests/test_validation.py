@@ -409,3 +409,33 @@ def test_generate_model_lib_mismatch_is_found_before_loading(tmp_path, capsys):
     assert "head_dim=128 where this run has 64 (--head-dim)" in line
     assert "interface='tvm' where this run has 'tvmkv' (--interface)" in line
     assert "vocab_size=None where this run has 256 (not an option" in line
+
+
+def test_out_sharing_memory_with_qkv_is_refused(cache):
+    """An ``out`` that overlaps ``qkv`` would be written while the kernels still read q, k and v from
+    qkv (a decode, and a prefill in rope mode "none", read qkv in place): refused with the fix named,
+    nothing appended; the same call with an output of its own then matches the NumPy reference."""
+    import tvm
+
+    from tvmkv.reference.cache_model import CacheModel
+
+    cfg = cache.config
+    rng = np.random.default_rng(3)
+    n = 20
+    qkv_np = rng.uniform(-1, 1, (n, cfg.qkv_heads, cfg.head_dim)).astype("float32")
+    qkv = tvm.runtime.tensor(qkv_np, tvm.cpu())
+    cache.add_sequence(0)
+    cache.begin_forward([0], [n])
+    with pytest.raises(ValueError, match="shares memory with qkv"):  # a view starting where qkv starts
+        cache.attention_with_fused_qkv(0, qkv, out=qkv._create_view((n, cfg.num_qo_heads, cfg.head_dim)))
+    assert np.array_equal(qkv.numpy(), qkv_np)  # nothing written
+    out = tvm.runtime.empty((n, cfg.num_qo_heads, cfg.head_dim), "float32", tvm.cpu())
+    cache.attention_with_fused_qkv(0, qkv, out=out)
+    for layer in range(1, cfg.num_layers):
+        cache.attention_with_fused_qkv(layer, qkv)
+    cache.end_forward()
+    model = CacheModel(cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
+    model.add(0)
+    model.begin([0], [n])
+    want, _ = model.attention(0, qkv_np.astype(np.float64))
+    np.testing.assert_allclose(out.numpy(), want, atol=2e-4, rtol=2e-4)

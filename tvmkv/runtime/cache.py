@@ -615,6 +615,8 @@ class PagedAttentionKVCache:
         sm_scale = self._default_sm_scale if sm_scale is None else self._sm_scale(sm_scale)
         window = self._windows[layer]
         if self._tvm_ok(qkv, fwd.qkv_shape) and (out is None or self._tvm_ok(out, fwd.o_shape)):
+            if out is not None:
+                self._check_apart(qkv, out, fwd)
             o = self._output_buffer(None, "tvm", fwd.total) if out is None else out  # the Relax VM's case
             run_layer(fwd, self.pages[layer], qkv, o, sm_scale, window)
             self._ran[layer] = self._step
@@ -625,6 +627,8 @@ class PagedAttentionKVCache:
             kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
             if out is not None:
                 self._check_out(out, kind, "qkv", fwd.o_shape)
+        if out is not None and kind != "numpy":
+            self._check_apart(qkv, out, fwd)
         qkv_dev = tensors.to_device(qkv, kind, self.device)
         o_dev = self._output_buffer(out, kind, fwd.total)
         run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale, window)
@@ -1323,6 +1327,16 @@ class PagedAttentionKVCache:
         if not tensors.is_contiguous(x, kind):
             raise ValueError(f"{name} is not contiguous; pass a contiguous array (e.g. .contiguous())")
         return kind
+
+    def _check_apart(self, qkv, out, fwd) -> None:
+        """``out`` must not share memory with ``qkv``: the kernels read q, k and v from qkv while they
+        write the output (a decode, or a prefill in rope mode "none", reads qkv in place)."""
+        row = self.config.head_dim * (4 if self.config.dtype == "float32" else 2) * fwd.total
+        if tensors.overlaps(qkv, out, row * self.config.qkv_heads, row * self.config.num_qo_heads):
+            raise ValueError(
+                "out shares memory with qkv; the attention kernels read qkv while they write out, so the "
+                "result would be corrupted: pass an output buffer of its own (or out=None)"
+            )
 
     def _check_out(
         self, out, kind: str, source: str, shape: tuple, name: str = "out", dtype: str | None = None

@@ -57,6 +57,13 @@ def is_contiguous(x, kind: str) -> bool:
     return bool(x.is_contiguous())
 
 
+def overlaps(a, b, a_bytes: int, b_bytes: int) -> bool:
+    """Whether the device tensors ``a`` and ``b`` (tvm or torch, contiguous, ``a_bytes`` and ``b_bytes``
+    long) share memory."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b_bytes and b0 < a0 + a_bytes
+
+
 def to_device(x, kind: str, device):
     """A ``tvm.runtime.Tensor`` on ``device`` holding ``x`` (zero-copy for torch/tvm when possible).
 
