@@ -46,6 +46,27 @@ def rng():
     return np.random.default_rng(0)
 
 
+def assert_sm90a_clean(funcs: dict, tmp_path, name: str) -> str:
+    """Compile ``{name: PrimFunc}`` for cuda sm_90 and check that nvcc builds the source for sm_90a with
+    ptxas reporting no spills in any kernel and no serialized wgmma pipeline (its C7514 note: a
+    register of an in-flight wgmma touched before the wait). Returns the CUDA source."""
+    import subprocess
+
+    from tvmkv.build import compile_funcs
+
+    src = compile_funcs(funcs, "cuda", "sm_90").mod.imports[0].inspect_source()
+    path = tmp_path / f"{name}.cu"
+    path.write_text(src)
+    cmd = ["nvcc", "--cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v"]
+    cmd += ["-diag-suppress=1046,177,550", "-o", str(tmp_path / f"{name}.cubin"), str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = done.stdout + done.stderr
+    assert "C7514" not in log and "serialized" not in log, log[-3000:]
+    assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(funcs), log[-3000:]
+    return src
+
+
 class Tape:
     """Kernel calls, recorded instead of run while ``calls`` is a list of ``(function, args)``: what a
     CUDA graph keeps of a step, so llvm tests can replay a "graph" by re-running the calls."""

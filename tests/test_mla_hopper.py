@@ -11,9 +11,9 @@ configurations it serves (``deepseek-f16``, ``bf16-h32-d192``) when the kernels 
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
+from conftest import assert_sm90a_clean
 
 from tvmkv.tir import mla, mla_layout
 from tvmkv.tir.prefill_hopper import sw_off
@@ -139,8 +139,6 @@ def test_nvcc_accepts_without_serializing(tmp_path):
     with 64-key tiles, one warpgroup without the producer, the producer without bulk copies; whole and
     split); ptxas reports no spills and does not serialize the wgmma pipeline (C7514); the bulk-copy
     kernels take their tensor map as a ``__grid_constant__`` parameter."""
-    from tvmkv.build import compile_funcs
-
     funcs = {}
     for k, (spec, kw) in enumerate(
         [
@@ -153,14 +151,5 @@ def test_nvcc_accepts_without_serializing(tmp_path):
     ):
         for split in (False, True):
             funcs[f"mla_{k}_{int(split)}"] = mla.make_mla_attention(spec, split=split, arch="sm_90", **kw)
-    src = compile_funcs(funcs, "cuda", "sm_90").mod.imports[0].inspect_source()
-    path = tmp_path / "mla_hopper.cu"
-    path.write_text(src)
-    cmd = ["nvcc", "--cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v"]
-    cmd += ["-diag-suppress=1046,177,550", "-o", str(tmp_path / "mla_hopper.cubin"), str(path)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    log = done.stdout + done.stderr
-    assert "C7514" not in log and "serialized" not in log, log[-3000:]
-    assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(funcs), log[-3000:]
+    src = assert_sm90a_clean(funcs, tmp_path, "mla_hopper")
     assert "const __grid_constant__ CUtensorMap pages_tensormap" in src

@@ -9,9 +9,9 @@ other prefill schedule, against the fp64 references) when the kernels are built 
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
+from conftest import assert_sm90a_clean
 
 from tvmkv.tir import prefill_hopper as ph
 from tvmkv.tir.prefill_cuda import kv_rc, load_rc
@@ -111,8 +111,6 @@ def test_nvcc_accepts_without_serializing(tmp_path):
     register of an in-flight wgmma touched before the wait). With the copying warpgroup the kernel is
     compiled for 384 threads (168 registers) and ``setmaxnreg`` moves registers to the computing
     warpgroups at run time."""
-    from tvmkv.build import compile_funcs
-
     funcs = {}
     for k, (spec, kw) in enumerate(
         [
@@ -130,13 +128,4 @@ def test_nvcc_accepts_without_serializing(tmp_path):
         funcs[f"{source}_causal_qkv"] = ph.make_prefill_hopper(
             KernelSpec(32, 8, 128, 16, "float16", "cuda"), source=source, mask="causal", arch="sm_90", fused_qkv=True
         )
-    src = compile_funcs(funcs, "cuda", "sm_90").mod.imports[0].inspect_source()
-    path = tmp_path / "hopper.cu"
-    path.write_text(src)
-    cmd = ["nvcc", "--cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v"]
-    cmd += ["-diag-suppress=1046,177,550", "-o", str(tmp_path / "hopper.cubin"), str(path)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    log = done.stdout + done.stderr
-    assert "C7514" not in log and "serialized" not in log, log[-3000:]
-    assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(funcs), log[-3000:]
+    assert_sm90a_clean(funcs, tmp_path, "hopper")
