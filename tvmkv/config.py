@@ -171,12 +171,16 @@ class CacheConfig:
         return self.num_qo_heads + 2 * self.num_kv_heads
 
     @property
+    def itemsize(self) -> int:
+        """Bytes of one element of the cache's dtype (q/k/v, pages, outputs)."""
+        return 4 if self.dtype == "float32" else 2
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one page in one layer (K and V; MLA: the latent rows)."""
-        itemsize = 4 if self.dtype == "float32" else 2
         if self.is_mla:
-            return self.page_size * self.head_dim * itemsize
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * itemsize
+            return self.page_size * self.head_dim * self.itemsize
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.itemsize
 
     @property
     def page_shape(self) -> tuple:

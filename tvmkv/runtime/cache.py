@@ -1331,7 +1331,7 @@ class PagedAttentionKVCache:
     def _check_apart(self, qkv, out, fwd) -> None:
         """``out`` must not share memory with ``qkv``: the kernels read q, k and v from qkv while they
         write the output (a decode, or a prefill in rope mode "none", reads qkv in place)."""
-        row = self.config.head_dim * (4 if self.config.dtype == "float32" else 2) * fwd.total
+        row = self.config.head_dim * self.config.itemsize * fwd.total
         if tensors.overlaps(qkv, out, row * self.config.qkv_heads, row * self.config.num_qo_heads):
             raise ValueError(
                 "out shares memory with qkv; the attention kernels read qkv while they write out, so the "
@@ -1369,7 +1369,7 @@ def memory_needs(cfg: CacheConfig) -> list:
     """``[(what, bytes, on_device, fix)]``: every buffer a cache of ``cfg`` allocates up front (the page
     pool, a host staging copy of one layer's pool, the q/k/v/lse scratch, the packed index buffers),
     computed without allocating anything."""
-    itemsize = 4 if cfg.dtype == "float32" else 2
+    itemsize = cfg.itemsize
     chunk, B = cfg.prefill_chunk_size, cfg.max_batch_size
     layer_bytes = cfg.total_pages * cfg.page_bytes
     index = PackedLayout.of(B, chunk, 1).page_indices_at + -(-cfg.max_total_seq_len // cfg.page_size) + B

@@ -43,7 +43,7 @@ class Forward:
     split: tuple = ()  # split_rope's arguments after qkv (split_rope_append's before pages when fused)
     append: tuple = ()  # append's arguments after pages (split_rope_append's when fused)
     fused: bool = False  # kernels[0] is split_rope_append (split + rotate + append, one launch)
-    direct: bool = False  # a prefill reading qkv in place: append_qkv, then the attention's *_qkv kernel
+    direct: bool = False  # a prefill reading qkv in place: the attention's *_qkv kernel (paged: append_qkv first)
     attn_head: tuple = ()  # attention arguments before pages (all before o when not paged)
     attn_tail: tuple = ()  # attention arguments after pages, before o
     attn_end: tuple = ()  # lse (after o, before sm_scale); rope (after sm_scale)
@@ -281,15 +281,14 @@ class Launcher:
             fwd.attn_tail = paged_tail
         if kernel + "_qkv" in lib and not cfg.has_local_layers:
             # rope mode "none": nothing to rotate, so the prefill reads qkv where it is (docs/layout.md,
-            # "Fused qkv"): append_qkv stores the new K/V, the attention takes qkv as its first argument
-            fwd.direct, fwd.fused = True, False
-            fwd.kernels = (None, lib["append_qkv"], lib[kernel + "_qkv"])
-            fwd.split, fwd.append = (), (d["slots"],)
+            # "Fused qkv"); the attention takes qkv as its first argument
+            fwd.direct, fwd.fused, fwd.split = True, False, ()
             if kernel == "ragged_prefill_causal":  # stores the new K/V at their slots itself
-                fwd.kernels = (None, None, fwd.kernels[2])
+                fwd.kernels = (None, None, lib[kernel + "_qkv"])
                 fwd.attn_head, fwd.attn_tail = fwd.attn_head[-3:], (d["slots"],)
-            else:
-                fwd.attn_head = fwd.attn_head[1:]
+            else:  # append_qkv stores them first
+                fwd.kernels = (None, lib["append_qkv"], lib[kernel + "_qkv"])
+                fwd.append, fwd.attn_head = (d["slots"],), fwd.attn_head[1:]
         return fwd
 
 

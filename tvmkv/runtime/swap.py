@@ -251,7 +251,7 @@ class HostSwap:
                 f"max_staging_bytes={max_staging_bytes} is smaller than one page of all layers "
                 f"({self._row_bytes()} bytes); raise it"
             )
-        row_elems = self._row_bytes() // (4 if self.config.dtype == "float32" else 2)
+        row_elems = self._row_bytes() // self.config.itemsize
         step = min(max_staging_bytes // self._row_bytes(), (2**31 - 1) // row_elems)  # int32 kernel indices
         return [(a, min(m, a + step)) for a in range(0, m, step)]
 

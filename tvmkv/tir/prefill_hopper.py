@@ -451,18 +451,15 @@ def make_prefill_hopper(
         # every (token, kv head) is one block's: the tile of the token, the block of the head
         for i in T.unroll(SKV):
             u = T.meta_var(tx - NT + i * 128)
-            j = T.meta_var(u // CPR)
+            j = T.meta_var(u // CPR)  # the token (of the block's), its 16-byte chunk c
             c = T.meta_var(u % CPR)
+            t = T.meta_var(sv[BLOCK.t0] + j)
             if u < RT * CPR and j < sv[BLOCK.ntok]:
-                if slot[sv[BLOCK.t0] + j] >= 0:
+                if slot[t] >= 0:
                     for e in T.vectorized(8):
-                        pages[slot[sv[BLOCK.t0] + j] >> LOGP, 0, hk, slot[sv[BLOCK.t0] + j] & PMASK, c * 8 + e] = k[
-                            sv[BLOCK.t0] + j, hk, c * 8 + e
-                        ]
+                        pages[slot[t] >> LOGP, 0, hk, slot[t] & PMASK, c * 8 + e] = k[t, hk, c * 8 + e]
                     for e in T.vectorized(8):
-                        pages[slot[sv[BLOCK.t0] + j] >> LOGP, 1, hk, slot[sv[BLOCK.t0] + j] & PMASK, c * 8 + e] = v[
-                            sv[BLOCK.t0] + j, hk, c * 8 + e
-                        ]
+                        pages[slot[t] >> LOGP, 1, hk, slot[t] & PMASK, c * 8 + e] = v[t, hk, c * 8 + e]
 
     @macro
     def load_q():
