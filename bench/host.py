@@ -130,7 +130,7 @@ class _StubLibrary:
         return getattr(self.module, "mod", self.module).implements_function(name)
 
 
-def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk):
+def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, device_planning=True):
     import tvmkv.build
     from tvmkv import PagedAttentionKVCache
 
@@ -149,6 +149,7 @@ def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk):
             dtype=DTYPE,
             target=target_kind,
             num_pages=num_pages,
+            device_planning=device_planning,
         )
     finally:
         tvmkv.build.load_kernels = real
@@ -288,6 +289,8 @@ def run_pair(libs, target_kind, batch, capacity_factor, steps, *, churn="", bloc
         "tvm": make_tvm(libs, device, batch, max_total, chunk),
         "tvmkv": make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk),
     }
+    if churn:  # the same cache planning changed batches on the host (device_planning=False)
+        impls["tvmkv_host"] = make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, False)
     ids = list(range(batch))
     qkv = tvm.runtime.tensor(np.zeros((batch, H_QO + 2 * H_KV, D), DTYPE), device)
     out = tvm.runtime.empty((batch, H_QO, D), DTYPE, device)
@@ -350,7 +353,7 @@ def render(rows, meta) -> str:
         f"TVM {meta['tvm']}. One decode step = begin_forward (plan + page-table upload) + one attention "
         f"call (layer 0) + end_forward; {HISTORY}-token histories; stub kernels (real signatures, empty "
         "bodies) in both caches, so this is host overhead only. Median µs over "
-        f"{meta['steps']} steps; the two caches run in alternating blocks of 10 steps in one process, so "
+        f"{meta['steps']} steps; the caches run in alternating blocks of 10 steps in one process, so "
         "load from other processes hits both alike. tvmkv plans a decode step of the same batch as the "
         "step before by updating that plan in place (`plan.RepeatDecode`); rows with a changed batch "
         "take its general planning path: *order flipped* reverses the batch order each step, *one replaced* "
@@ -364,9 +367,9 @@ def render(rows, meta) -> str:
         "at 1; changed batch (issue 16), tvmkv begin_forward <= 50 µs at batch <= 32, <= 0.5x TVM's "
         "begin_forward at batch 256.",
         "",
-        "| batch | pool | pages | tvmkv step µs (begin / attn / end) | TVM C++ step µs (begin / attn / end) "
-        "| tvmkv / TVM | target | ok |",
-        "| ---: | ---: | ---: | --- | --- | ---: | ---: | --- |",
+        "| batch | pool | pages | tvmkv step µs (begin / attn / end) | tvmkv begin µs, planned on the host "
+        "| TVM C++ step µs (begin / attn / end) | tvmkv / TVM | target | ok |",
+        "| ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | --- |",
     ]
     goal = {1: 1.5, 32: 1.0, 256: 0.5}
     by = {(r["impl"], r["batch"], r["capacity_factor"], r["churn"]): r for r in rows if "step_us" in r}
@@ -375,6 +378,8 @@ def render(rows, meta) -> str:
         if impl != "tvmkv":
             continue
         t = by.get(("tvm", b, cf, churn))
+        h = by.get(("tvmkv_host", b, cf, churn))
+        hosted = f"{h['begin_us']:.1f}" if h else ""
         ours = f"{r['step_us']:.1f} ({r['begin_us']:.1f} / {r['attn_us']:.1f} / {r['end_us']:.1f})"
         theirs = (
             "n/a"
@@ -391,7 +396,7 @@ def render(rows, meta) -> str:
             met = g is not None and t is not None and ratio <= g
         ok = "" if not target else ("yes" if met else "**no**")
         lines.append(
-            f"| {b}{f' ({CHURN[churn]})' if churn else ''} | {cf}x | {r['num_pages']:,} | {ours} | {theirs} "
+            f"| {b}{f' ({CHURN[churn]})' if churn else ''} | {cf}x | {r['num_pages']:,} | {ours} | {hosted} | {theirs} "
             f"| {ratio:.2f} | {target} | {ok} |"
         )
     for r in rows:
@@ -401,17 +406,25 @@ def render(rows, meta) -> str:
         "",
         "How tvmkv plans these steps: a batch that repeats the previous decode step's is advanced in place "
         "(`plan.RepeatDecode`: one add over the packed `q_pos` / `slots` / `last_page_len`, a page for each "
-        "sequence whose new token opens one, one upload). A batch of the same size with a few rows replaced "
-        "(the *one replaced* and *a fork* rows) patches that plan: the kept rows advance in place, the "
+        "sequence whose new token opens one, one upload). A changed batch is planned on the device "
+        '(`device_plan.DevicePlanner`, docs/layout.md "Device page table"): the pages are reserved on the '
+        "host, then five ints per sequence (row, kv length, first page the device table lacks, where those "
+        "pages sit, page_indptr) and the pages the table lacks are packed into one stage (`struct`), "
+        "uploaded, and one `plan_decode` launch patches the table and writes the step's arrays into the "
+        "index buffer; C-level passes over the batch only (`map`, `accumulate`, `compress`) besides one "
+        "Python loop that advances each sequence's length. The column *planned on the host* is the same "
+        "cache with `device_planning=False`, in the same process and alternation: there a batch of the "
+        "same size with a few rows replaced "
+        "(the *one replaced* and *a fork* rows) patches the kept plan: the kept rows advance in place, the "
         "new rows (and their copy-on-write) are written, page tables rewritten from the first changed row, "
         "provided every kept row's record is as the last step left it (`Sequence.stamp`). Any other "
         "changed decode batch (the *order flipped* rows) takes `plan.Planner`'s "
-        "decode path: up to 64 sequences over Python ints written as one int32 run through a memoryview, "
+        "decode path: up to 64 sequences over Python ints written as one int32 run, "
         "above that about a dozen whole-batch NumPy calls; the layout, host views, device views, constant "
         "arrays and the bound forward (`launch.Forward`, rebound only to the new batch) of each batch size "
         'and slot are kept, `page_indices` is one `b"".join` of the sequences\' page arrays, copy-on-write '
         "is looked for only when some last page is in the pool's set of shared pages, and Python runs per "
-        "sequence only for those that get a page. Batch 1 "
+        "sequence only for those that get a page (`struct` writes that run). Batch 1 "
         "with its order flipped is the same batch (the fast path). The fork rows' begin_forward includes "
         "the copy of the shared page (one `copy_page` launch per layer); TVM's cache copies in "
         "`fork_sequence`, which is not timed. Prefill, mixed and token-tree steps take the general path "

@@ -166,6 +166,20 @@ def test_runtime_only_trusts_carried_artifacts(tiny, monkeypatch):
         build.build_kernel_set(BuildKey(_spec(), "normal"), tiny)
 
 
+def test_runtime_imports_no_compiler():
+    """The runtime (the cache and everything it imports) must load on a runtime-only TVM, which has no
+    TVMScript: importing it must not import ``tvm.script`` nor any kernel module (a kernel constant the
+    runtime needs lives in a plain ``*_layout`` module)."""
+    code = (
+        "import sys, tvmkv, tvmkv.runtime.cache, tvmkv.runtime.graphs; "
+        "bad = sorted(m for m in sys.modules if m.startswith(('tvm.script', 'tvm.tirx.lang')) "
+        "or m.startswith('tvmkv.tir.') and not m.endswith(('_layout', '.spec', '.foreign_layouts', '.rope_scaling'))); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_dir_manifest_stays_consistent_with_concurrent_writers(tmp_path):
     target_dir = tmp_path / "llvm"
     target_dir.mkdir()

@@ -377,3 +377,64 @@ def test_gather(target, cfg, rng):
     _assert_bits_equal(k.numpy(), k_ref)
     _assert_bits_equal(v.numpy(), v_ref)
     _assert_bits_equal(pages_d.numpy(), pages)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2], CONFIGS[5]], ids=[CONFIG_IDS[0], CONFIG_IDS[2], CONFIG_IDS[5]])
+@pytest.mark.parametrize("batch", [1, 7, 70])
+def test_plan_decode(target, cfg, batch, rng):
+    """``plan_decode`` (tvmkv.tir.plan_ops) against docs/layout.md's decode arrays built in NumPy from
+    the same page lists: sequences whose rows the table holds whole, in part (new pages from the
+    stage, a replaced last page), or not at all; other rows, the padding and the rest of the packed
+    buffer untouched; kv_window and the tree arrays zeroed over garbage."""
+    P = cfg[3]
+    rows, width = batch + 5, 40
+    table = rng.integers(0, 1000, (rows, width)).astype(np.int32)
+    kv = rng.integers(0, (width - 1) * P, batch)  # kv length before the step (the new token's slot)
+    npages = kv // P + 1
+    row = rng.permutation(rows)[:batch]
+    pages = [rng.permutation(5000)[:n].astype(np.int32) for n in npages]  # each sequence's pages after the step
+    first = np.array([rng.choice([0, n, max(n - 1, 0), int(rng.integers(0, n + 1))]) for n in npages])
+    for r, p, f in zip(row, pages, first):
+        table[r, :f] = p[:f]  # the table holds the first ``first`` pages
+    new = [p[f:] for p, f in zip(pages, first)]
+    delta = np.concatenate([[0], np.cumsum([len(x) for x in new])])[:-1]
+    starts = np.concatenate([[0], np.cumsum(npages)])
+    stage = np.concatenate([row, kv, first, delta, starts[:-1], *new]).astype(np.int32)
+    # a decode layout: arrays at 64-byte boundaries with padding between them (plan.PackedLayout)
+    al = lambda n: -(-n // 16) * 16  # noqa: E731
+    at, off = 0, {}
+    for name, size in [
+        ("q_indptr", batch + 1),
+        ("q_pos", batch),
+        ("slots", batch),
+        ("lpl", batch),
+        ("page_indptr", batch + 1),
+        ("zero", 9 * batch + 5),
+    ]:
+        off[name], at = at, at + al(size)
+    pi = at
+    out = rng.integers(-9, 9, pi + starts[-1] + 37).astype(np.int32)
+    want, want_table = out.copy(), table.copy()
+    want[off["q_indptr"] : off["q_indptr"] + batch + 1] = np.arange(batch + 1)
+    want[off["q_pos"] : off["q_pos"] + batch] = kv
+    want[off["slots"] : off["slots"] + batch] = [p[-1] * P + k % P for p, k in zip(pages, kv)]
+    want[off["lpl"] : off["lpl"] + batch] = kv % P + 1
+    want[off["page_indptr"] : off["page_indptr"] + batch + 1] = starts
+    want[off["zero"] : off["zero"] + 9 * batch + 5] = 0
+    want[pi : pi + starts[-1]] = np.concatenate(pages)
+    for r, p in zip(row, pages):
+        want_table[r, : len(p)] = p
+    table_d, out_d = to_dev(table, target), to_dev(out, target)
+    offsets = [
+        off["q_indptr"],
+        off["q_pos"],
+        off["slots"],
+        off["lpl"],
+        off["page_indptr"],
+        off["zero"],
+        off["zero"] + 9 * batch + 5,
+        pi,
+    ]
+    _kernels(target, cfg)["plan_decode"](to_dev(stage, target), table_d, out_d, batch, *offsets)
+    np.testing.assert_array_equal(out_d.numpy(), want)
+    np.testing.assert_array_equal(table_d.numpy(), want_table)

@@ -2,12 +2,14 @@
 
 Random streams of add / remove / fork / pop_n / sliding-window / decode (new batches, reordered
 batches, repeated batches: the fast path) / prefill / token-tree / commit operations drive a small
-llvm cache through its public API; after every ``begin_forward`` each array ``debug_forward()`` reads
+cache (llvm; cuda too where a GPU is) through its public API, decode steps of a changed batch planned
+on the device (``device_planning``, its page table kept there) or on the host; after every
+``begin_forward`` each array ``debug_forward()`` reads
 back from the device must equal what the layout document defines, built here from the sequences'
 public state before the step (``sequence_info``, ``pool.ref_count``) and the tree parents this test
 issued. Pages are checked too: a sequence keeps its pages, a shared partial last page is replaced by
 a copy (copy-on-write), new pages come last, and a forward the pool cannot serve changes nothing.
-No attention runs (the kernels are the real llvm ones: copy-on-write copies pages).
+No attention runs (the kernels are the real ones: copy-on-write copies pages, plan_decode plans).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ P = 4
 FEW = 64  # plan.Planner plans decode batches up to this size over Python ints, larger ones with NumPy
 
 
-def _make_cache(num_pages: int, max_batch: int) -> PagedAttentionKVCache:
+def _make_cache(
+    num_pages: int, max_batch: int, device_planning: bool = True, target: str = "llvm"
+) -> PagedAttentionKVCache:
     return PagedAttentionKVCache(
         1,
         4,
@@ -33,9 +37,10 @@ def _make_cache(num_pages: int, max_batch: int) -> PagedAttentionKVCache:
         max_total_seq_len=num_pages * P,
         prefill_chunk_size=128,
         dtype="float32",
-        target="llvm",
+        target=target,
         support_sliding_window=True,
         num_pages=num_pages,
+        device_planning=device_planning,
     )
 
 
@@ -126,19 +131,19 @@ def _kernel(batch_lengths: list, tree: bool, before: dict, batch: list) -> str:
 class Driver:
     """Draws valid operations and checks every forward (see the module docstring)."""
 
-    def __init__(self, seed: int, num_pages: int, sequences: int):
+    def __init__(self, seed: int, num_pages: int, sequences: int, device_planning: bool = True, target: str = "llvm"):
         """``sequences`` > 0: that many sequences first, and batches of up to ``sequences + 8``, most
         above :data:`FEW` (the NumPy decode path); else batches of up to 8 (the Python-int path)."""
         self.rng = np.random.default_rng(seed)
         self.max_batch = sequences + 8 if sequences else 8
         self.least = FEW + 1 if sequences else 1
-        self.cache = _make_cache(num_pages, self.max_batch)
+        self.cache = _make_cache(num_pages, self.max_batch, device_planning, target)
         self.trees: dict = {}  # seq id -> uncommitted tree parents (this test's record)
         for s in range(sequences):
             self.cache.add_sequence(s)
         self.next_id = sequences
         self.last_decode: tuple | None = None
-        self.forwards = self.repeats = self.out_of_pages = self.cows = self.large = 0
+        self.forwards = self.repeats = self.out_of_pages = self.cows = self.large = self.on_device = 0
 
     def ids(self) -> list:
         return self.cache.sequence_ids()
@@ -260,19 +265,22 @@ class Driver:
         self.forwards += 1
         self.large += len(batch) > FEW and sum(lengths) == len(batch) and not info.repeated
         self.repeats += info.repeated
+        self.on_device += info.planned_on_device
         decode = parents is None and sum(lengths) == len(lengths)
         self.last_decode = (batch, lengths, None) if decode else self.last_decode
 
 
+@pytest.mark.parametrize("device_planning", [True, False])
 @pytest.mark.parametrize(
     "seed,num_pages,sequences",
     [(0, 400, 0), (1, 400, 0), (2, 40, 0), (3, 24, 0), (4, 1200, FEW), (5, 1200, FEW), (6, 150, FEW)],
 )
-def test_random_operations_plan_the_layout(seed, num_pages, sequences):
+def test_random_operations_plan_the_layout(seed, num_pages, sequences, device_planning, target):
     """Many pages (no shortage) and few (OutOfPagesError, forks that cannot copy); small batches and,
-    with ``sequences``, decode batches above FEW: the planner's two decode paths (Python ints, NumPy)
-    and its general path must all write the layout's arrays."""
-    d = Driver(seed, num_pages, sequences)
+    with ``sequences``, decode batches above FEW: the planner's decode paths (on the device from its
+    page table; on the host over Python ints or NumPy) and its general path must all write the
+    layout's arrays."""
+    d = Driver(seed, num_pages, sequences, device_planning, target)
     for _ in range(400):
         d.step()
     d.cache.check_integrity()
@@ -284,6 +292,7 @@ def test_random_operations_plan_the_layout(seed, num_pages, sequences):
         assert d.out_of_pages > 0
     if sequences:  # decode steps above FEW planned anew (few of them once pages run short)
         assert d.large > (20 if num_pages > 200 else 0), d.large
+    assert (d.on_device > (5 if num_pages > 200 else 0)) if device_planning else not d.on_device, d.on_device
 
 
 def test_page_pool_shared_set_follows_the_references():
@@ -339,15 +348,18 @@ def test_changed_batches_of_one_size_rebind_their_sequences(size):
     c.check_integrity()
 
 
+@pytest.mark.parametrize("device_planning", [True, False])
 @pytest.mark.parametrize("size,num_pages", [(3, 400), (24, 4000), (24, 70)])
-def test_rows_replaced_between_decode_steps(size, num_pages):
+def test_rows_replaced_between_decode_steps(size, num_pages, device_planning, target):
     """A decode batch whose rows change between steps, a few at a time: a new empty sequence, a fork
     of the row's sequence (rolled back into a shared page: copy-on-write), a sequence holding another's
     pages (its partial last page shared) or a windowed one takes a row; meanwhile another, kept row's
     sequence may be popped, swapped out and in, get its last page shared, or run another forward.
     Every step's arrays and pages must be the layout's whether the kept plan is patched
-    (plan.RepeatDecode) or the step planned anew; with few pages some steps are refused."""
-    d = Driver(11, num_pages, size)  # sequences 0 .. size - 1
+    (plan.RepeatDecode, without device planning), the step planned on the device from its page table
+    (which must follow every one of those changes) or on the host; with few pages some steps are
+    refused."""
+    d = Driver(11, num_pages, size, device_planning, target)  # sequences 0 .. size - 1
     c, rng = d.cache, d.rng
     for s in range(size):
         d.forward([s], [int(rng.integers(1, 4 * P))], None)
@@ -400,7 +412,49 @@ def test_rows_replaced_between_decode_steps(size, num_pages):
         patched += batch != last and d.repeats > before  # a changed batch, patched
         last = list(batch)
     c.check_integrity()
-    if num_pages > 100:
-        assert patched > (4 if size < 8 else 10), patched  # (the seed fixes the stream)
+    if num_pages > 100:  # (the seed fixes the stream)
+        if device_planning:  # rows replaced in place are patched, moved rows planned on the device
+            assert d.on_device > 30 and patched > 10, (d.on_device, patched)
+        else:
+            assert patched > (4 if size < 8 else 10) and not d.on_device, patched
     else:
         assert d.out_of_pages > 0
+
+
+def test_device_page_table_grows_and_follows_every_change(target):
+    """The device page table (runtime.device_plan) grows past its first size in rows (more than 64
+    sequences) and in width (a sequence of more than 64 pages), and follows swap out / in, removal
+    and reuse of rows, pop_n into an earlier page, clear() and ids reused after it: every decode step
+    it plans must write the layout's arrays, and check_integrity (which reads the table back) must
+    find each row equal to its sequence's page list."""
+    d = Driver(12, 4000, 70, target=target)  # sequences 0 .. 69, batches up to 78
+    c, rng = d.cache, d.rng
+    for s in range(70):
+        d.forward([s], [int(rng.integers(1, 3 * P))], None)
+    d.forward(list(range(70)), [1] * 70, None)  # 70 rows
+    for _ in range(3):  # one sequence past 64 pages, in chunks
+        d.forward([5], [100], None)
+    for step in range(40):
+        ids = c.sequence_ids()
+        batch = [int(s) for s in rng.permutation(ids)[: int(rng.integers(1, min(len(ids), 78) + 1))]]
+        d.forward(batch, [1] * len(batch), None)
+        s = int(rng.choice(ids))
+        op = step % 4
+        if op == 0:
+            c.swap_out([s])
+            c.swap_in([s])
+        elif op == 1 and c.sequence_info(s).poppable > P:
+            c.pop_n(s, P + 1)  # back into an earlier page
+        elif op == 2:
+            c.remove_sequence(s)
+            c.add_sequence(d.next_id)  # takes the freed row
+            d.forward([d.next_id], [int(rng.integers(1, 2 * P))], None)
+            d.next_id += 1
+    assert d.on_device > 30, d.on_device
+    c.clear()
+    for s in range(3):  # ids and rows reused after clear()
+        c.add_sequence(s)
+        d.forward([s], [P + 1], None)
+    d.forward([2, 0, 1], [1] * 3, None)
+    d.forward([1, 2], [1] * 2, None)
+    c.check_integrity()

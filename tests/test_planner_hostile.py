@@ -25,7 +25,7 @@ P, HQ, HKV, D = 4, 2, 1, 16
 class _Pair:
     """The cache and its model, driven together."""
 
-    def __init__(self, num_pages: int, seed: int):
+    def __init__(self, num_pages: int, seed: int, device_planning: bool = True):
         self.c = PagedAttentionKVCache(
             1,
             HQ,
@@ -40,12 +40,13 @@ class _Pair:
             support_sliding_window=True,
             num_pages=num_pages,
             rope_mode="inline",
+            device_planning=device_planning,
         )
         self.m = CacheModel(1, HQ, HKV, D, rope_mode="inline")
         self.rng = np.random.default_rng(seed)
         self.ids: set = set()
         self.swapped: set = set()
-        self.repeated = 0
+        self.repeated = self.on_device = 0
 
     def resident(self) -> list:
         return sorted(self.ids - self.swapped)
@@ -75,7 +76,9 @@ class _Pair:
             assert self.snapshot() == before, "a refused forward changed the cache"
             c.check_integrity()
             return False
-        self.repeated += bool(c.debug_forward().repeated)
+        info = c.debug_forward()
+        self.repeated += bool(info.repeated)
+        self.on_device += bool(info.planned_on_device)
         m.begin(batch, lens)
         qkv = self.rng.standard_normal((sum(lens), HQ + 2 * HKV, D)).astype(np.float32)
         out = np.asarray(c.attention_with_fused_qkv(0, qkv))
@@ -156,10 +159,12 @@ def test_crossover_batches_with_windows_cow_forks_and_swaps():
                 pair.add(s, int(rng.integers(1, 6)))
 
 
-def test_shape_churn_then_repeat_decodes():
+@pytest.mark.parametrize("device_planning", [True, False])
+def test_shape_churn_then_repeat_decodes(device_planning):
     """Many distinct forward shapes (batch sizes x token counts, past the planner's 256 kept shapes)
-    interleaved with repeated decodes of one batch and decodes of every size 1..70."""
-    pair = _Pair(num_pages=900, seed=5)
+    interleaved with repeated decodes of one batch and decodes of every size 1..70 (planned on the
+    device, from its page table, or on the host)."""
+    pair = _Pair(num_pages=900, seed=5, device_planning=device_planning)
     rng, c = pair.rng, pair.c
     _populate(pair, 70)
     fixed = [int(s) for s in rng.permutation(70)[:40]]
@@ -170,7 +175,7 @@ def test_shape_churn_then_repeat_decodes():
             batch = [int(s) for s in rng.choice(res, k, replace=False)]
             pair.forward(batch, [int(rng.integers(1, 20)) for _ in batch])  # prefill: a new shape
         elif step % 3 == 1:
-            pair.decode(fixed, 2)
+            pair.decode(fixed, 3)
         else:
             k = 1 + step % 70
             pair.decode([int(s) for s in rng.choice(res, k, replace=False)])
@@ -180,6 +185,7 @@ def test_shape_churn_then_repeat_decodes():
                 c.pop_n(s, n)
                 pair.m.pop(s, n)
     assert pair.repeated > 0
+    assert pair.on_device > 50 if device_planning else not pair.on_device, pair.on_device
 
 
 @pytest.mark.parametrize("batch_size", [3, 66])
@@ -283,13 +289,15 @@ def test_repeated_decode_validates_like_a_new_one(seq_ids, lengths):
 
 
 @pytest.mark.parametrize("size", [4, 24])
-def test_rows_replaced_in_a_kept_decode_batch(size):
+@pytest.mark.parametrize("device_planning", [True, False])
+def test_rows_replaced_in_a_kept_decode_batch(size, device_planning):
     """A decode batch whose rows are replaced one or two at a time (a fork of the row's sequence rolled
     back into its shared page, a new sequence over a prefix of another's pages, a fresh short one; the
     old one removed or kept, the same id reused), with kept rows popped or swapped now and then: the
     kept plan is patched (plan.RepeatDecode) or the step planned anew, and outputs must equal the
-    model's every step (rope inline: a wrong position changes them)."""
-    pair = _Pair(num_pages=900, seed=5)
+    model's every step (rope inline: a wrong position changes them). With device planning the
+    steps whose rows moved are planned on the device instead."""
+    pair = _Pair(num_pages=900, seed=5, device_planning=device_planning)
     rng, c, m = pair.rng, pair.c, pair.m
     _populate(pair, size)
     batch, next_id, patched = list(range(size)), 1000, 0
@@ -331,4 +339,5 @@ def test_rows_replaced_in_a_kept_decode_batch(size):
                 pair.remove(s)
                 pair.add(next_id, 3)
                 batch[r], next_id = next_id, next_id + 1
-    assert patched > 20, patched
+    assert patched > (5 if device_planning else 20), patched
+    assert pair.on_device > 10 if device_planning else not pair.on_device, pair.on_device

@@ -25,6 +25,7 @@ from ..errors import ForwardStateError, IntegrityError, OutOfPagesError
 from ..target import parse_target
 from . import tensors
 from .decode_split import NO_SPLIT
+from .device_plan import DevicePlanner
 from .index_buffer import RING, IndexBuffers
 from .launch import Forward, ForwardInfo, Launcher, device_views, graph_key, run_layer, run_paged, run_ragged
 from .pages import PageHolder, PagePool
@@ -106,6 +107,12 @@ class PagedAttentionKVCache:
     stable_decode_splits : bool
         Plan those chunks for CUDA-graph replay (docs/cuda_graphs.md): chunk sizes at powers of two,
         so a captured decode step stays valid until the longest sequence doubles. Default False.
+    device_planning : bool
+        Plan a decode step whose batch changed since the last step (arrivals, departures, forks,
+        preemption, a new order) on the device: every sequence's page list is kept in a device table
+        patched only where it changed, and one small kernel writes the step's index arrays from five
+        integers per sequence (docs/layout.md, "Device page table"). False plans those steps on the
+        host. Default True (where the kernel library has ``plan_decode``: every non-MLA one).
     build_dir : path, optional
         Where compiled kernels are cached (default: see ``python -m tvmkv build --help``).
 
@@ -135,6 +142,7 @@ class PagedAttentionKVCache:
         memory_fraction=None,
         decode_splits=None,
         stable_decode_splits=False,
+        device_planning=True,
         layer_windows=None,
         build_dir=None,
         kv_lora_rank=0,
@@ -189,6 +197,7 @@ class PagedAttentionKVCache:
             num_pages=num_pages,
             decode_splits=decode_splits,
             stable_decode_splits=stable_decode_splits,
+            device_planning=device_planning,
             layer_windows=_windows(layer_windows, num_layers),
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
@@ -267,6 +276,8 @@ class PagedAttentionKVCache:
         arrays = PackedLayout.of(B, cfg.prefill_chunk_size, 1).page_indices_at
         self._index = IndexBuffers(device, arrays + -(-cfg.max_total_seq_len // cfg.page_size) + B)
         self._planner = Planner(self._index, cfg.page_size)
+        if cfg.device_planning and "plan_decode" in self.kernels:
+            self._planner.device = DevicePlanner(device, self.kernels["plan_decode"], self._table)
         self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, device.dlpack_device_type()
         self._torch_fast: tuple | None = None  # (torch.Tensor, the cache's torch dtype, device type), on first use
         # MLA: the scale of the non-absorbed q.k (qk_nope + rope dims), known once mla_self_dims are
@@ -278,6 +289,7 @@ class PagedAttentionKVCache:
         self._uncapturable: tuple = (-1, "")  # (forward, why): a call of it uploaded what a replay would not
         self._repeat: RepeatDecode | None = None
         self._repeated = False  # whether the open forward was planned by RepeatDecode
+        self._planned_on_device = False  # whether it was planned by the DevicePlanner
         self._history: tuple | None = None  # (step, device page tables of the keys before it): cross_attention
 
     # ------------------------------------------------------------------ queries
@@ -510,6 +522,7 @@ class PagedAttentionKVCache:
             self._fwd = fwd
             self._step += 1
             self._repeated = True
+            self._planned_on_device = False
             return
         self._repeat = None
         self._repeated = False
@@ -561,7 +574,9 @@ class PagedAttentionKVCache:
         # pages reserved (OutOfPagesError before any change), arrays written, sequences grown (plan.Planner)
         planner, L = self._planner, self._launcher
         plan = planner.plan(seq_ids, seqs, lengths, parents, pool, table, self._copy_page)
-        ib.upload(plan.slot, plan.used)
+        self._planned_on_device = plan.on_device
+        if not plan.on_device:
+            ib.upload(plan.slot, plan.used)
         self._step += 1
         if plan.kernel != "paged_decode":
             dev = planner.device_views(plan)
@@ -578,8 +593,11 @@ class PagedAttentionKVCache:
         else:
             fwd.seq_ids, fwd.lengths, fwd.slides = plan.seq_ids, plan.lengths, plan.slides
         self._fwd = fwd
-        if not plan.slides:
-            self._repeat = RepeatDecode.after(plan, seqs, plan.npages, ib, pool, table, fwd, self._copy_page)
+        if not plan.slides and not plan.on_device:
+            # where decode steps are planned on the device (device_plan), the kept plan patches only rows
+            # replaced in place; a batch whose rows moved is planned there
+            moves = planner.device is None
+            self._repeat = RepeatDecode.after(plan, seqs, plan.npages, ib, pool, table, fwd, self._copy_page, moves)
 
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Append this layer's new K/V and compute attention for the tokens of the open forward.
@@ -1182,13 +1200,15 @@ class PagedAttentionKVCache:
 
     def debug_forward(self) -> ForwardInfo:
         """The open forward as planned: attention kernel, decode split, whether it advanced the previous
-        decode step's plan in place, its index-buffer slot, and every index array read back from the
+        decode step's plan in place, its index-buffer slot, whether it was planned on the device
+        (``device_planning``), and every index array read back from the
         device (NumPy copies; ``page_indices`` is longer than used: read it through ``page_indptr``)."""
         fwd = self._fwd
         if fwd is None:
             raise ForwardStateError("debug_forward called outside begin_forward/end_forward")
         arrays = {name: t.numpy() for name, t in fwd.dev.items()}
-        return ForwardInfo(fwd.kernel, fwd.decode_split.num_splits, self._repeated, fwd.slot, arrays)
+        on_device = self._planned_on_device
+        return ForwardInfo(fwd.kernel, fwd.decode_split.num_splits, self._repeated, fwd.slot, arrays, on_device)
 
     def graph_key(self) -> tuple:
         """A hashable key of the open forward for CUDA-graph capture (docs/cuda_graphs.md): a graph of
@@ -1224,12 +1244,15 @@ class PagedAttentionKVCache:
     def check_integrity(self) -> None:
         """Raise IntegrityError unless every part agrees: each page's ref count equals the page lists
         and page holders holding it, free + used == total, every sequence's pages match its length,
-        swapped sequences hold no pages, and the kept repeat-decode plan matches the page tables."""
+        swapped sequences hold no pages, and the kept repeat-decode plan and the device page table
+        (``device_plan``) match the page lists."""
         problems = self._table.check()
         problems += self.pool.check(seq.pages for seq in self._table.resident.values())
         problems += self._swap.check()
         if self._repeat is not None:
             problems += self._repeat.check()
+        if self._planner.device is not None:
+            problems += self._planner.device.check()
         if problems:
             raise IntegrityError("; ".join(problems))
 

@@ -71,6 +71,7 @@ class ForwardInfo:
     repeated: bool  # planned by advancing the previous decode step's plan in place
     slot: int  # device slot of the index buffer ring
     arrays: dict  # name -> NumPy copy of the uploaded index array (docs/layout.md)
+    planned_on_device: bool = False  # its arrays written by plan_decode from the device page table
 
 
 def device_views(ib: IndexBuffers, slot: int, layout: PackedLayout) -> dict:

@@ -85,8 +85,13 @@ class PagePool:
             page = self._free.pop()
             self._ref[page] = 1
             return [page]
-        pages = [self._free.pop() for _ in range(count)]
-        self._ref[pages] = 1
+        free, ref = self._free, self._ref
+        pages = [free.pop() for _ in range(count)]
+        if count <= 8:  # a decode step's few pages: item writes beat converting the list for NumPy
+            for page in pages:
+                ref[page] = 1
+        else:
+            ref[pages] = 1
         return pages
 
     def hold(self, pages: Iterable[int]) -> None:

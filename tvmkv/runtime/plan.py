@@ -5,7 +5,10 @@ pages, copy-on-write of shared partial pages), writes the step's index arrays (d
 tables", "Ragged queries", "Token trees") into the packed int32 host buffer of
 :class:`~tvmkv.runtime.index_buffer.IndexBuffers`, vectorized over tokens and pages, grows the
 sequences, and returns a :class:`StepPlan` naming where each array sits (:class:`PackedLayout`). The
-facade uploads the used prefix in one copy.
+facade uploads the used prefix in one copy. A decode step whose batch changed in more than a few rows
+is planned on the device instead where the kernel library allows
+(:class:`~tvmkv.runtime.device_plan.DevicePlanner`: the same arrays, written into the same slot by one
+launch from a device-resident page table; nothing to upload but five ints per sequence).
 
 The planner keeps, per shape ``(B, n, tree rows)`` of a forward, its layout, the host views of its
 arrays, their device views per ring slot and, for a decode shape, the constant part of its arrays
@@ -35,15 +38,16 @@ window clears the stamp, so one C-level pass over the stamps proves it.
 from __future__ import annotations
 
 import math
-from array import array
 from dataclasses import dataclass, field
-from itertools import accumulate
-from operator import attrgetter
+from itertools import accumulate, compress, repeat
+from operator import add, attrgetter, floordiv, mod, ne, not_
+from struct import Struct
 from typing import Any
 
 import numpy as np
 
 from ..errors import OutOfPagesError
+from .device_plan import DevicePlanner
 from .index_buffer import IndexBuffers, align
 from .pages import PagePool
 from .sequences import SequenceTable
@@ -123,7 +127,6 @@ class StepShape:
     rows: np.ndarray | None = None  # decode: [4, B] view of q_pos, slots, last_page_len, page_indptr[:B]
     rows_at: int = 0  # decode: offset of q_pos in ``host`` (slots, last_page_len, page_indptr follow)
     pad: list = field(default_factory=list)  # decode: zeros between two of those arrays
-    iv: Any = None  # ``host`` as an int32 memoryview (Python ints written without NumPy)
     dev: dict | None = None  # device slot -> device views (launch.device_views), for ``generation``
     fwds: dict | None = None  # device slot -> the launch.Forward last bound over them (decode shapes)
     generation: int = -1
@@ -142,7 +145,6 @@ class StepShape:
         if layout.arrays["q_pos"][1] == (B,) and at == [at[0] + k * stride for k in range(4)]:  # decode
             self.rows = host[at[0] : at[0] + 4 * stride].reshape(4, stride)[:, :B]
             self.rows_at, self.pad = at[0], [0] * (stride - B)
-            self.iv = memoryview(host.data).cast("B").cast("i")
 
 
 @dataclass(slots=True)
@@ -162,6 +164,7 @@ class StepPlan:
     npages: Any = None  # [B] pages of each sequence after the step (int array or list of ints)
     hist: Any = None  # decode: kv lengths before the step, [B] (int32 array or list of ints)
     stamp: int = 0  # decode: the stamp its sequences carry after it (Sequence.stamp)
+    on_device: bool = False  # written into the device slot by DevicePlanner (nothing to upload)
 
     @property
     def used(self) -> int:
@@ -191,6 +194,12 @@ class Planner:
         # step changes only per-sequence arrays), so the next one of that shape skips the copy
         self._clean: StepShape | None = None
         self.decodes = 0  # decode plans made: the stamp (Sequence.stamp) of the last one's records
+        # plans decode steps of a changed batch on the device (device_plan.DevicePlanner), if the kernel
+        # library has plan_decode; the batch of the last one it planned (a repeat of it is planned here,
+        # so that the repeat-decode fast path takes over from the step after)
+        self.device: DevicePlanner | None = None
+        self._device_ids: list | None = None
+        self._packers: dict = {}  # ints per decode run -> struct.Struct writing them (_decode_few)
 
     def shape(self, batch: int, total: int, tree_rows: int) -> StepShape:
         """The :class:`StepShape` of a forward (views not bound: :meth:`bound`)."""
@@ -250,6 +259,12 @@ class Planner:
         sequence's ``kv_len`` (and token tree) includes the new tokens.
         """
         if parents is None and len(lengths) == sum(lengths):
+            if (
+                self.device is not None
+                and self._on_device(seq_ids)
+                and not (table.num_windowed and any(map(_WINDOW, seqs)))
+            ):
+                return self._decode_device(seq_ids, seqs, pool, table, copy_page)
             if len(seqs) <= self.few:
                 return self._decode_few(seq_ids, seqs, pool, table, copy_page)
             return self._decode(seq_ids, seqs, pool, table, copy_page)
@@ -305,9 +320,51 @@ class Planner:
         run += pad
         run += starts
         at = shape.rows_at
-        shape.iv[at : at + len(run)] = array("i", run)
+        packer = self._packers.get(len(run))
+        if packer is None:  # (struct packs a list of ints about 3x faster than array or NumPy do)
+            packer = self._packers[len(run)] = Struct(f"{len(run)}i")
+        packer.pack_into(shape.host.data, 4 * at, *run)  # type: ignore[union-attr]
         ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
         return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, -1, npages, hist)
+
+    def _on_device(self, seq_ids: list) -> bool:
+        """Whether a decode step of ``seq_ids`` (its batch changed since the last decode step, or that
+        step was planned on the device) is planned on the device. Not when it repeats the last step
+        planned there, or replaces only a few rows of it in place: the host plans it then, and its plan
+        is kept (``RepeatDecode``), so that the steps after it repeat or patch that plan on the host,
+        which is cheaper for such steps than planning them anew on the device."""
+        last = self._device_ids
+        if last is None or len(last) != len(seq_ids):
+            return True
+        return sum(map(ne, seq_ids, last)) > max(2, len(seq_ids) >> 3)
+
+    def _decode_device(self, seq_ids: list, seqs: list, pool: PagePool, table: SequenceTable, copy_page) -> StepPlan:
+        """:meth:`_decode_few`'s step with its arrays written on the device (``self.device``, a
+        :class:`~tvmkv.runtime.device_plan.DevicePlanner`): the pages are reserved here, the rest is
+        C-level passes over the batch, one upload and one launch."""
+        P, B, ib, device = self.page_size, len(seqs), self.ib, self.device
+        assert device is not None
+        hist = list(map(_KV_LEN, seqs))
+        npages = list(map(add, map(floordiv, hist, repeat(P)), repeat(1)))  # pages after the step
+        device.ensure(max(npages))  # (a bigger table, before anything changes)
+        shared = pool.shared  # copy-on-write only when some last page is shared (a set test)
+        off = list(map(mod, hist, repeat(P)))  # the new token's offset in its page; 0: it opens a page
+        if 0 in off or (shared and not shared.isdisjoint(map(_LAST_PAGE, seqs))):
+            opens = list(compress(range(B), map(not_, off)))
+            cow = [i for i, (o, seq) in enumerate(zip(off, seqs)) if o and seq.last_page in shared] if shared else []
+            if opens or cow:
+                _decode_pages(seqs, opens, cow, pool, table, copy_page, P)
+        starts = list(accumulate(npages, initial=0))  # page_indptr
+        nnz = starts[B]
+        shape = self._shapes.get((B, B, 1)) or self.shape(B, B, 1)
+        slot = ib.next_slot(shape.layout.page_indices_at + max(nnz, 1))
+        device.plan(ib.tail(slot, 0), shape.layout, seqs, hist, npages, starts)
+        for seq in seqs:  # (no stamps: a device plan is not kept for the repeat-decode path)
+            seq.kv_len += 1
+        self._device_ids = seq_ids
+        return StepPlan(
+            seq_ids, [1] * B, B, "paged_decode", [], shape.layout, slot, nnz, -1, shape, npages, hist, 0, True
+        )
 
     def _decode_plan(
         self, seq_ids, seqs, table: SequenceTable, v: dict, shape: StepShape, slot, nnz, longest, npages, hist
@@ -598,6 +655,7 @@ class RepeatDecode:
     ib: IndexBuffers
     npages: Any  # int64 [B] pages of each sequence
     copy_page: Any = None  # copy_page(src, dst, num_slots) of the cache (copy-on-write of a new row)
+    moves: bool = True  # whether rows that moved are patched too (False: a device planner plans those)
     # taken from ``plan`` by ready():
     q_pos: Any = None
     block: Any = None  # [3, B] view of q_pos, slots, last_page_len (rows moved together)
@@ -623,10 +681,13 @@ class RepeatDecode:
         table: SequenceTable,
         forward,
         copy_page=None,
+        moves: bool = True,
     ) -> RepeatDecode:
         """Remember the decode step ``plan`` (just bound as ``forward``; ``npages`` its pages per
         sequence, which the kept plan then owns). ``copy_page``: the cache's page copy, for a step
-        that replaces rows (:meth:`advance`); without it such a step takes the general path."""
+        that replaces rows (:meth:`advance`); without it such a step takes the general path.
+        ``moves``: whether a step whose rows moved is patched too (False where a device planner
+        plans such steps: only rows replaced in place are patched here)."""
         return cls(
             plan.seq_ids,
             seqs,
@@ -643,6 +704,7 @@ class RepeatDecode:
             ib,
             npages,
             copy_page,
+            moves,
         )
 
     def ready(self) -> None:
@@ -739,7 +801,7 @@ class RepeatDecode:
             return False
         src = None  # rows moved: the old row of each row's sequence (None: new to the batch)
         if len(diff) > limit:
-            if B > _FEW:  # moving many rows in Python costs more than the whole-batch NumPy path
+            if B > _FEW or not self.moves:  # moving many rows in Python costs more than the other paths
                 return False
             row_of = {s: i for i, s in enumerate(old)}
             src = list(map(row_of.get, ids))

@@ -61,6 +61,11 @@ class Sequence:
     # the decode plan (plan.Planner's step number) this record is exactly as that plan left it for,
     # advanced by repeated steps; 0 once anything else changes it (its pages, length or window)
     stamp: int = 0
+    # its row of the device page table (plan.DevicePlanner; assigned by SequenceTable.add) and how many
+    # of its first pages that row holds as they are now (every change of the page list but an append
+    # lowers it; the device planner raises it when it writes the row)
+    row: int = -1
+    synced: int = 0
     _buf: np.ndarray = field(default_factory=lambda: np.zeros(16, np.int32), repr=False)
     _n: int = 0
     pages: np.ndarray = field(init=False, repr=False)  # int32 view _buf[:_n]; change it only by methods
@@ -111,8 +116,11 @@ class Sequence:
     def _set(self, n: int) -> None:
         self._n, self.pages, self.stamp = n, self._buf[:n], 0
         self.last_page = int(self._buf[n - 1]) if n else -1
+        if self.synced > n:
+            self.synced = n
 
     def set_pages(self, pages) -> None:
+        self.synced = 0
         pages = np.asarray(pages, np.int32)
         if len(pages) > len(self._buf):
             self._buf = np.zeros(max(16, 2 * len(pages)), np.int32)
@@ -141,6 +149,8 @@ class Sequence:
     def replace_last_page(self, page: int) -> None:
         self._buf[self._n - 1] = page
         self.last_page, self.stamp = page, 0
+        if self.synced >= self._n:
+            self.synced = self._n - 1
 
     def truncate_pages(self, keep: int) -> list:
         """Keep the first ``keep`` pages; return the dropped ones."""
@@ -151,6 +161,8 @@ class Sequence:
     def cut_pages(self, first: int, last: int) -> list:
         """Remove pages ``[first, last)`` (a slid-out window); return them."""
         dropped = self.pages[first:last].tolist()
+        if self.synced > first:
+            self.synced = first
         rest = self._buf[last : self._n].copy()
         self._buf[first : first + len(rest)] = rest
         self._set(self._n - len(dropped))
@@ -188,6 +200,9 @@ class SequenceTable:
         self.reserved: dict = {}
         self.version = 0
         self.num_windowed = 0  # resident sequences with a sliding window (the planner skips windows at 0)
+        # rows of the device page table: one per sequence (resident or swapped), reused after removal
+        self.num_rows = 0
+        self._free_rows: list = []
 
     # ------------------------------------------------------------------ lookups (ids checked)
     def get(self, seq_id) -> Sequence:
@@ -242,6 +257,10 @@ class SequenceTable:
     def add(self, seq_id: int, pages=(), length: int = 0) -> Sequence:
         """A new resident sequence over ``pages`` (the caller holds one reference on each for it)."""
         seq = self.resident[seq_id] = Sequence()
+        if self._free_rows:
+            seq.row = self._free_rows.pop()
+        else:
+            seq.row, self.num_rows = self.num_rows, self.num_rows + 1
         seq.set_pages(list(pages))
         seq.kv_len = length
         self.version += 1
@@ -250,12 +269,14 @@ class SequenceTable:
     def remove(self, seq_id: int) -> None:
         """Remove a resident sequence (its references are released) or a swapped one."""
         if seq_id in self.swapped:
-            del self.swapped[seq_id]
+            seq = self.swapped.pop(seq_id)
         else:
             seq = self.resident.pop(seq_id)
             seq.stamp = 0
             self.num_windowed -= seq.window > 0
             self.pool.release(seq.pages)
+        self._free_rows.append(seq.row)
+        seq.row, seq.synced = -1, 0
         self.version += 1
 
     def fork(self, parent: Sequence, child_id: int, fork_pos: int, copy_partial: Callable) -> None:
@@ -347,6 +368,7 @@ class SequenceTable:
         self.swapped.clear()
         self.reserved.clear()
         self.num_windowed = 0
+        self.num_rows, self._free_rows = 0, []
         self.version += 1
 
     # ------------------------------------------------------------------ integrity
@@ -376,4 +398,16 @@ class SequenceTable:
         for sid, seq in self.swapped.items():
             if seq.num_pages:
                 problems.append(f"swapped sequence {sid} still holds device pages")
+        rows = [seq.row for seq in (*self.resident.values(), *self.swapped.values())]
+        if (
+            len(set(rows)) != len(rows)
+            or any(not 0 <= r < self.num_rows for r in rows)
+            or set(rows) & set(self._free_rows)
+        ):
+            problems.append(
+                f"device page table rows {sorted(rows)} are not distinct rows in use of [0, {self.num_rows})"
+            )
+        for sid, seq in self.resident.items():
+            if not 0 <= seq.synced <= seq.num_pages:
+                problems.append(f"sequence {sid}: {seq.synced} pages in the device table for {seq.num_pages}")
         return problems

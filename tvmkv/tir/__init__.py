@@ -62,7 +62,7 @@ def kernel_set(
     fused qkv, so it needs no ``split_rope``; the ragged one also stores the new K/V (docs/layout.md,
     "Fused qkv").
     """
-    from . import append, decode, merge, page_ops, prefill, ragged, rope
+    from . import append, decode, merge, page_ops, plan_ops, prefill, ragged, rope
 
     if rope_mode not in ROPE_MODES:
         raise ValueError(f"rope_mode={rope_mode!r} is not one of {ROPE_MODES}")
@@ -95,6 +95,7 @@ def kernel_set(
         "gather": page_ops.make_gather(spec),
         "gather_pages": page_ops.make_gather_pages(spec),
         "scatter_pages": page_ops.make_scatter_pages(spec),
+        "plan_decode": plan_ops.make_plan_decode(spec),
     }
     if rope_scaling is None:  # split + rotate + append in one launch (forwards whose attention reads the pages)
         kernels["split_rope_append"] = rope.make_split_rope(spec, rotate=rope_mode == "normal", into_pages=True)

@@ -1,8 +1,9 @@
 """Static thread layout of the CUDA decode kernel (:mod:`tvmkv.tir.decode_cuda`), and the granule of
-its split (flash-decoding, docs/layout.md "Split decode"). Plain Python, no TVM import: the runtime
-(:mod:`tvmkv.runtime.decode_split`) plans the split in ``begin_forward`` on a runtime-only TVM with
-:func:`split_granule` (exported as ``tvmkv.tir.split_granule``), and the kernels are built from the
-same layout."""
+its split (flash-decoding, docs/layout.md "Split decode"), and the stage of a decode step planned on
+the device (:data:`STAGE_COLS`, docs/layout.md "Device page table"). Plain Python, no TVM import: the
+runtime (:mod:`tvmkv.runtime.decode_split`, :mod:`tvmkv.runtime.device_plan`) plans on a runtime-only
+TVM with these (``split_granule`` exported as ``tvmkv.tir.split_granule``), and the kernels are built
+from the same layout."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * elem_bytes 
 SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
 
 MERGE_MAX_SPLITS = 64  # most chunks paged_decode_split_merge merges in-kernel (more: split + merge_splits)
+# ints per sequence in plan_decode's stage (tvmkv.tir.plan_ops): row, kv length before the step, first
+# page new to the device table, where its new pages start, page_indptr
+STAGE_COLS = 5
 
 
 def elem_bytes(dtype: str) -> int:
