@@ -300,14 +300,9 @@ class Planner:
         page_indptr and the padding between them) through a memoryview of the host buffer."""
         P, B, ib = self.page_size, len(seqs), self.ib
         hist = list(map(_KV_LEN, seqs))
-        off = [h % P for h in hist]  # the new token's offset in its page; 0: it opens a page
-        shared = pool.shared  # copy-on-write only when some last page is shared (a set test)
-        if 0 in off or (shared and not shared.isdisjoint(map(_LAST_PAGE, seqs))):
-            opens = [i for i, o in enumerate(off) if not o]
-            cow = [i for i, (o, seq) in enumerate(zip(off, seqs)) if o and seq.last_page in shared] if shared else []
-            if opens or cow:
-                _decode_pages(seqs, opens, cow, pool, table, copy_page, P)
-        npages = [h // P + 1 for h in hist]
+        off = list(map(mod, hist, repeat(P)))  # the new token's offset in its page; 0: it opens a page
+        _decode_reserve(seqs, off, pool, table, copy_page, P)
+        npages = list(map(add, map(floordiv, hist, repeat(P)), repeat(1)))  # pages after the step
         starts = list(accumulate(npages, initial=0))  # page_indptr
         nnz = starts[B]
         shape = self._shapes.get((B, B, 1)) or self.shape(B, B, 1)
@@ -347,13 +342,7 @@ class Planner:
         hist = list(map(_KV_LEN, seqs))
         npages = list(map(add, map(floordiv, hist, repeat(P)), repeat(1)))  # pages after the step
         device.ensure(max(npages))  # (a bigger table, before anything changes)
-        shared = pool.shared  # copy-on-write only when some last page is shared (a set test)
-        off = list(map(mod, hist, repeat(P)))  # the new token's offset in its page; 0: it opens a page
-        if 0 in off or (shared and not shared.isdisjoint(map(_LAST_PAGE, seqs))):
-            opens = list(compress(range(B), map(not_, off)))
-            cow = [i for i, (o, seq) in enumerate(zip(off, seqs)) if o and seq.last_page in shared] if shared else []
-            if opens or cow:
-                _decode_pages(seqs, opens, cow, pool, table, copy_page, P)
+        _decode_reserve(seqs, list(map(mod, hist, repeat(P))), pool, table, copy_page, P)
         starts = list(accumulate(npages, initial=0))  # page_indptr
         nnz = starts[B]
         shape = self._shapes.get((B, B, 1)) or self.shape(B, B, 1)
@@ -453,6 +442,18 @@ class Planner:
         v["page_indptr"][1:] = ends
         ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
         return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, -1, npages, hist)
+
+
+def _decode_reserve(seqs: list, off: list, pool: PagePool, table: SequenceTable, copy_page, P: int) -> None:
+    """:func:`_decode_pages` of a decode step over Python ints (``off``: each new token's offset in its
+    page, 0 where it opens one): a new page where a token opens one, a copy where a partial last page
+    is shared; a set test and ``0 in off`` when neither is needed."""
+    shared = pool.shared  # copy-on-write only when some last page is shared (a set test)
+    if 0 in off or (shared and not shared.isdisjoint(map(_LAST_PAGE, seqs))):
+        opens = list(compress(range(len(off)), map(not_, off)))
+        cow = [i for i, (o, seq) in enumerate(zip(off, seqs)) if o and seq.last_page in shared] if shared else []
+        if opens or cow:
+            _decode_pages(seqs, opens, cow, pool, table, copy_page, P)
 
 
 def _decode_pages(seqs: list, opens: list, cow: list, pool: PagePool, table: SequenceTable, copy_page, P: int):

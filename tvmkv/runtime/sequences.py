@@ -61,7 +61,7 @@ class Sequence:
     # the decode plan (plan.Planner's step number) this record is exactly as that plan left it for,
     # advanced by repeated steps; 0 once anything else changes it (its pages, length or window)
     stamp: int = 0
-    # its row of the device page table (plan.DevicePlanner; assigned by SequenceTable.add) and how many
+    # its row of the device page table (device_plan.DevicePlanner; assigned by SequenceTable.add) and how many
     # of its first pages that row holds as they are now (every change of the page list but an append
     # lowers it; the device planner raises it when it writes the row)
     row: int = -1
