@@ -130,7 +130,7 @@ def test_manifests_record_config_target_version_kernels_hashes(tiny):
     key = BuildKey(_spec(), "inline", True)
     path = build.build_kernel_set(key, tiny)
     entry = json.loads(path.with_suffix(".json").read_text())
-    assert entry["config"] == {**SMALL, "target_kind": "llvm"}
+    assert entry["config"] == {**SMALL, "target_kind": "llvm", "kv_dtype": ""}
     assert (entry["rope_mode"], entry["sliding"], entry["target"]) == ("inline", True, "llvm")
     assert entry["tvm_version"] == tvm.__version__ and entry["kernels"] == ["copy_page"]
     assert entry["sources_hash"] == build.sources_hash() and len(entry["sha256"]) == 64

@@ -685,7 +685,7 @@ def clear_loaded() -> None:
 # Command line
 # ----------------------------------------------------------------------------------------------
 
-_SPEC_KEYS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype")
+_SPEC_KEYS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "kv_dtype")
 _CONFIG_KEYS = _SPEC_KEYS + ("rope_mode", "sliding", "local", "target", "arch", "family", "rope_scaling", "rotary_dim")
 # family "mla" (tvmkv.tir.MlaSpec): num_qo_heads, page_size and dtype as above, plus these
 _MLA_KEYS = ("kv_lora_rank", "qk_rope_head_dim", "self_qk_dim", "self_v_dim")
@@ -735,7 +735,7 @@ def expand_configs(entries, defaults: dict) -> list:
                 if key not in keys:
                     keys.append(key)
                 continue
-            spec = KernelSpec(**{k: c[k] for k in _SPEC_KEYS}, target_kind=c["target"])
+            spec = KernelSpec(**{k: c[k] for k in _SPEC_KEYS if k in c}, target_kind=c["target"])  # (kv_dtype optional)
             if family == "kvcache":
                 variant = kernel_variant(c.get("rope_scaling"), spec.head_dim, c["rope_mode"], c.get("rotary_dim"))
                 key = BuildKey(
@@ -776,6 +776,11 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="float16", help="float32, float16 or bfloat16 (default float16)")
+    p.add_argument(
+        "--kv-dtype",
+        default="",
+        help="page dtype when it differs: float8_e4m3fn or float8_e5m2 (fp8 pages; default: --dtype)",
+    )
     p.add_argument("--rope-mode", default="none", help="none, normal or inline (default none)")
     p.add_argument(
         "--rope-scaling",
@@ -821,6 +826,7 @@ def main(argv=None) -> int:
         "head_dim": args.head_dim,
         "page_size": args.page_size,
         "dtype": args.dtype,
+        "kv_dtype": args.kv_dtype,
         "rope_mode": args.rope_mode,
         "rope_scaling": args.rope_scaling,
         "rotary_dim": args.rotary_dim,

@@ -21,7 +21,9 @@ class CacheConfig:
     changed on the device, from a page table kept there (docs/layout.md, "Device page table"). ``rope_scaling`` (None,
     TVM's / Hugging Face's dict, or a :class:`tvmkv.tir.RopeScaling`) and ``rotary_dim`` (None: the
     whole head) choose the RoPE variant of rope mode "normal" (docs/layout.md, "RoPE"); after
-    construction ``rope_scaling`` is always a RopeScaling and ``rotary_dim`` an int.
+    construction ``rope_scaling`` is always a RopeScaling and ``rotary_dim`` an int. ``kv_dtype``
+    ("float8_e4m3fn" / "float8_e5m2", with ``dtype`` float16 or bfloat16) stores the pages in fp8 under
+    per-layer, per-KV-head scales (docs/layout.md, "fp8 pages"); "" (or ``dtype``): pages of ``dtype``.
     """
 
     num_layers: int
@@ -33,6 +35,7 @@ class CacheConfig:
     max_total_seq_len: int = 2048
     prefill_chunk_size: int = 512
     dtype: str = "float16"
+    kv_dtype: str = ""  # page dtype when it differs from dtype: fp8 pages (docs/layout.md, "fp8 pages")
     rope_mode: str = "none"
     rope_scale: float = 1.0
     rope_theta: float = 1e4
@@ -65,6 +68,11 @@ class CacheConfig:
         if self.mla_self_dims and (not isinstance(self.mla_self_dims, tuple) or len(self.mla_self_dims) != 2):
             raise ValueError(f"mla_self_dims={self.mla_self_dims!r} must be () or a pair (qk_dim, v_dim)")
         if self.is_mla:
+            if self.kv_dtype not in ("", self.dtype):
+                raise ValueError(
+                    f"kv_dtype={self.kv_dtype!r} on an MLA cache: fp8 pages are built for the standard cache only; "
+                    "leave kv_dtype empty"
+                )
             self.mla_spec  # validates heads, dims, page_size, dtype, target  # noqa: B018
             if self.num_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim:
                 raise ValueError(
@@ -83,7 +91,8 @@ class CacheConfig:
                     f"qk_rope_head_dim={self.qk_rope_head_dim} / mla_self_dims={self.mla_self_dims!r} apply to MLA "
                     "caches only: pass kv_lora_rank > 0 too"
                 )
-            self.kernel_spec  # validates heads, head_dim, page_size, dtype, target  # noqa: B018
+            object.__setattr__(self, "kv_dtype", self.kernel_spec.kv_dtype)  # "" when it names dtype
+            self.kernel_spec  # validates heads, head_dim, page_size, dtype, kv_dtype, target  # noqa: B018
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.rope_mode not in ROPE_MODES:
@@ -150,7 +159,13 @@ class CacheConfig:
     @property
     def kernel_spec(self) -> KernelSpec:
         return KernelSpec(
-            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.target_kind
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            self.dtype,
+            self.target_kind,
+            self.kv_dtype,
         )
 
     @property
@@ -180,11 +195,26 @@ class CacheConfig:
         return 4 if self.dtype == "float32" else 2
 
     @property
+    def page_dtype(self) -> str:
+        """Dtype of the pages: ``kv_dtype`` when given (fp8 pages), else ``dtype``."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def fp8_pages(self) -> bool:
+        """The pages hold fp8 codes under per-layer, per-KV-head scales (docs/layout.md, "fp8 pages")."""
+        return self.kv_dtype != ""
+
+    @property
+    def page_itemsize(self) -> int:
+        """Bytes of one page element: 1 for fp8 pages, else ``itemsize``."""
+        return 1 if self.fp8_pages else self.itemsize
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one page in one layer (K and V; MLA: the latent rows)."""
         if self.is_mla:
             return self.page_size * self.head_dim * self.itemsize
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.itemsize
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.page_itemsize
 
     @property
     def page_shape(self) -> tuple:

@@ -63,9 +63,12 @@ class CacheModel:
         rope_scale=1.0,
         rope_theta=1e4,
         dtype="float32",
+        kv_store=None,
     ):
         self.L, self.Hq, self.Hkv, self.D = num_layers, num_qo_heads, num_kv_heads, head_dim
         self.dtype = dtype  # what the cache stores: rotated q/k are rounded to it
+        # kv_store(layer, k, v) -> (k, v) as the pages hold them (fp8 pages: quantized and back), or None
+        self.kv_store = kv_store
         self.rope_mode, self.scale, self.theta = rope_mode, rope_scale, rope_theta
         self.seqs: dict = {}
         self.fwd = None
@@ -111,8 +114,10 @@ class CacheModel:
     def begin(self, seq_ids, lengths, parents=None):
         self.fwd = dict(seq_ids=list(seq_ids), lengths=list(lengths), parents=parents)
 
-    def attention(self, layer, qkv, sm_scale=None):
-        """Return (o [n, H_qo, D], lse [n, H_qo]) in fp64 and store this layer's new K/V."""
+    def attention(self, layer, qkv, sm_scale=None, *, new_raw=False):
+        """Return (o [n, H_qo, D], lse [n, H_qo]) in fp64 and store this layer's new K/V. With a
+        ``kv_store``, the history is read as stored and so are the new tokens, unless ``new_raw``:
+        they attend to their own K/V as given (a prefill without history, which reads no page)."""
         Hq, Hkv, D = self.Hq, self.Hkv, self.D
         sm_scale = D**-0.5 if sm_scale is None else sm_scale
         qkv = np.asarray(qkv, np.float64)
@@ -148,20 +153,22 @@ class CacheModel:
                 visible_new = np.array([[anc[old_tree + i][old_tree + j] for j in range(n)] for i in range(n)])
                 new_pos = qpos
             stored_k = self._round(rope_np(k, new_pos, self.scale, self.theta)) if self.rope_mode == "normal" else k
+            held_k, held_v = (stored_k, v) if self.kv_store is None else self.kv_store(layer, stored_k, v)
             # store this layer's new K/V
             if fwd["parents"] is None:
-                self._stash(s, layer, stored_k, v)
+                self._stash(s, layer, held_k, held_v)
             else:
-                self._stash_tree(s, layer, stored_k, v, old_tree, n)
+                self._stash_tree(s, layer, held_k, held_v, old_tree, n)
+            new_k, new_v = (stored_k, v) if new_raw else (held_k, held_v)
             qr = q
             if self.rope_mode == "normal":
                 qr = self._round(rope_np(q, qpos, self.scale, self.theta))
             elif self.rope_mode == "inline":
                 qr = rope_np(q, qpos, self.scale, self.theta)
-            all_k = np.concatenate([hist_k, stored_k])
+            all_k = np.concatenate([hist_k, new_k])
             if self.rope_mode == "inline":
                 all_k = rope_np(all_k, np.concatenate([hist_pos, new_pos]), self.scale, self.theta)
-            all_v = np.concatenate([hist_v, v])
+            all_v = np.concatenate([hist_v, new_v])
             H = hist_k.shape[0]
             for i in range(n):
                 if fwd["parents"] is None:

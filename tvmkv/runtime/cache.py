@@ -74,7 +74,17 @@ class PagedAttentionKVCache:
     prefill_chunk_size : int
         Most new tokens in one forward.
     dtype : str
-        "float32", "float16" or "bfloat16".
+        "float32", "float16" or "bfloat16": q/k/v, outputs (and the pages, unless ``kv_dtype``).
+    kv_dtype : str, optional
+        "float8_e4m3fn" or "float8_e5m2" (with ``dtype`` float16 or bfloat16): fp8 pages, one byte per
+        element, so the same memory holds twice the tokens (``memory_fraction`` counts them at one
+        byte). Each stored K / V is ``x / scale`` rounded (saturating) with a scale per layer, K or V
+        and KV head (docs/layout.md, "fp8 pages"); attention reads them back dequantized and
+        accumulates in fp32. Default "": pages of ``dtype``.
+    kv_scales : array, optional
+        fp8 pages only: the scales, ``[num_layers, 2, num_kv_heads]`` (axis 1: 0 = K, 1 = V) or
+        ``[2, num_kv_heads]`` for every layer; positive and finite. Default 1.0 everywhere (vLLM's
+        default); :meth:`set_kv_scales` sets a layer's before any token is stored.
     rope_mode : str
         "none", "normal" (K stored rotated) or "inline" (K stored raw, rotated in the kernels).
     rope_scale, rope_theta : float
@@ -131,6 +141,8 @@ class PagedAttentionKVCache:
         max_total_seq_len=2048,
         prefill_chunk_size=512,
         dtype="float16",
+        kv_dtype="",
+        kv_scales=None,
         rope_mode="none",
         rope_scale=1.0,
         rope_theta=1e4,
@@ -164,6 +176,7 @@ class PagedAttentionKVCache:
                 head_dim,
                 page_size=page_size,
                 dtype=dtype,
+                kv_dtype=kv_dtype,
                 kv_lora_rank=kv_lora_rank,
                 qk_rope_head_dim=qk_rope_head_dim,
             )
@@ -186,6 +199,7 @@ class PagedAttentionKVCache:
             max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size,
             dtype=dtype,
+            kv_dtype=kv_dtype,
             rope_mode=rope_mode,
             rope_scale=float(rope_scale),
             rope_theta=float(rope_theta),
@@ -204,6 +218,8 @@ class PagedAttentionKVCache:
             mla_self_dims=tuple(mla_self_dims or ()),
         )
         self._setup(config, build_dir)
+        if kv_scales is not None:
+            self._init_scales(kv_scales)
 
     @classmethod
     def mla(cls, num_layers, num_heads, kv_lora_rank, qk_rope_head_dim, *, mla_self_dims=None, **options):
@@ -266,8 +282,13 @@ class PagedAttentionKVCache:
             )
         num_sms = device.multi_processor_count if cfg.target_kind == "cuda" else 0
         self._launcher = Launcher(cfg, device, self.kernels, num_sms)
-        zeros = np.zeros(cfg.page_shape, tensors.numpy_dtype(cfg.dtype))
+        zeros = np.zeros(cfg.page_shape, tensors.numpy_dtype(cfg.page_dtype))
         self.pages = [tvm.runtime.tensor(zeros, device) for _ in range(cfg.num_layers)]
+        # fp8 pages: each layer's kv_scale [2, H_kv] (docs/layout.md, "fp8 pages"), passed after its pages
+        ones = np.ones((2, cfg.num_kv_heads), np.float32)
+        self._scales = [tvm.runtime.tensor(ones, device) for _ in range(cfg.num_layers)] if cfg.fp8_pages else []
+        # what every page-reading or -writing launch of a layer takes where the layout says "pages"
+        self._page_args = [(p, *self._scales[layer : layer + 1]) for layer, p in enumerate(self.pages)]
         self.pool = PagePool(cfg.total_pages)
         self._table = SequenceTable(self.pool, cfg.page_size)
         self._swap = HostSwap(cfg, device, self.pool, self._table, self.kernels, self.pages)
@@ -636,7 +657,7 @@ class PagedAttentionKVCache:
             if out is not None:
                 self._check_apart(qkv, out, fwd)
             o = self._output_buffer(None, "tvm", fwd.total) if out is None else out  # the Relax VM's case
-            run_layer(fwd, self.pages[layer], qkv, o, sm_scale, window)
+            run_layer(fwd, self._page_args[layer], qkv, o, sm_scale, window)
             self._ran[layer] = self._step
             return o
         if out is not None and self._torch_ok(qkv, fwd.qkv_shape) and self._torch_ok(out, fwd.o_shape):
@@ -649,7 +670,7 @@ class PagedAttentionKVCache:
             self._check_apart(qkv, out, fwd)
         qkv_dev = tensors.to_device(qkv, kind, self.device)
         o_dev = self._output_buffer(out, kind, fwd.total)
-        run_layer(fwd, self.pages[layer], qkv_dev, o_dev, sm_scale, window)
+        run_layer(fwd, self._page_args[layer], qkv_dev, o_dev, sm_scale, window)
         self._ran[layer] = self._step
         if kind == "torch" and self._torch_fast is None:
             self._torch_fast = (type(qkv), getattr(tensors.torch_module(), self.config.dtype), qkv.device.type)
@@ -708,7 +729,9 @@ class PagedAttentionKVCache:
             self.kernels["rope_q"](q_dev, fwd.dev["q_pos"], q_rot, rope_scale, rope_theta)
             q_dev = q_rot
         bound = self._launcher.shared(fwd)
-        run_paged(bound, self.pages[layer], q_dev, o_dev, lse, sm_scale, rope_scale, rope_theta, self._windows[layer])
+        run_paged(
+            bound, self._page_args[layer], q_dev, o_dev, lse, sm_scale, rope_scale, rope_theta, self._windows[layer]
+        )
         return self._deliver(o_dev, out, kind)
 
     # ------------------------------------------------------------------ fine-grained attention (TVM's)
@@ -819,7 +842,7 @@ class PagedAttentionKVCache:
         bound = self._launcher.paged(fwd, None if include_new else self._history_tables(fwd))
         _, rope_scale, rope_theta = fwd.attn_end
         run_paged(
-            bound, self.pages[layer], q_dev, o_dev, lse_dev, sm_scale, rope_scale, rope_theta, self._windows[layer]
+            bound, self._page_args[layer], q_dev, o_dev, lse_dev, sm_scale, rope_scale, rope_theta, self._windows[layer]
         )
         return self._deliver(o_dev, out, kind), self._deliver(lse_dev, lse, kind)
 
@@ -1142,7 +1165,8 @@ class PagedAttentionKVCache:
 
         Positions index the tokens the cache holds (uncommitted tree nodes follow the committed tokens in
         append order; after a sliding window dropped tokens, position ``i`` is the ``i``-th kept token, as
-        in TVM); K is as stored (rotated when rope_mode is "normal").
+        in TVM); K is as stored (rotated when rope_mode is "normal"). With fp8 pages (``kv_dtype``) the
+        values are dequantized, ``code * scale`` (docs/layout.md, "fp8 pages"), as float32.
         """
         if self._mla:
             raise TypeError("debug_get_kv on an MLA cache: use debug_get_kv_mla (one latent row per token)")
@@ -1150,16 +1174,21 @@ class PagedAttentionKVCache:
 
         flat = self._debug_slots(seq_id, start_pos, end_pos)
         cfg = self.config
-        k = np.zeros((cfg.num_layers, len(flat), cfg.num_kv_heads, cfg.head_dim), tensors.numpy_dtype(cfg.dtype))
+        out_dtype = np.float32 if cfg.fp8_pages else tensors.numpy_dtype(cfg.dtype)
+        k = np.zeros((cfg.num_layers, len(flat), cfg.num_kv_heads, cfg.head_dim), out_dtype)
         v = np.zeros_like(k)
         if len(flat):
             slots_dev = tvm.runtime.tensor(flat, self.device)
             shape = (len(flat), cfg.num_kv_heads, cfg.head_dim)
             for layer in range(cfg.num_layers):
-                kd = tvm.runtime.empty(shape, cfg.dtype, self.device)
-                vd = tvm.runtime.empty(shape, cfg.dtype, self.device)
+                kd = tvm.runtime.empty(shape, cfg.page_dtype, self.device)
+                vd = tvm.runtime.empty(shape, cfg.page_dtype, self.device)
                 self.kernels["gather"](self.pages[layer], slots_dev, kd, vd)
                 k[layer], v[layer] = kd.numpy(), vd.numpy()
+                if cfg.fp8_pages:
+                    scale = self._scales[layer].numpy()
+                    k[layer] *= scale[0][:, None]
+                    v[layer] *= scale[1][:, None]
         return k, v
 
     def debug_get_kv_mla(self, seq_id, start_pos=0, end_pos=None):
@@ -1276,6 +1305,84 @@ class PagedAttentionKVCache:
         and drops its references through ``cache.pool`` (``hold`` / ``release``); the cache asks it to
         evict before an ``OutOfPagesError`` and ``check_integrity`` counts its references."""
         self.pool.attach_holder(holder)
+
+    # ------------------------------------------------------------------ fp8 page scales
+    def kv_scales(self, layer_id) -> np.ndarray:
+        """Layer ``layer_id``'s fp8 page scales as NumPy ``[2, num_kv_heads]`` float32 (index 0: K, 1: V;
+        docs/layout.md, "fp8 pages")."""
+        self._require_fp8("kv_scales")
+        return self._scales[self._layer(layer_id)].numpy()
+
+    def set_kv_scales(self, layer_id, k_scale, v_scale) -> None:
+        """Set layer ``layer_id``'s fp8 page scales: ``k_scale`` and ``v_scale``, each one positive finite
+        float or ``[num_kv_heads]`` of them. A stored K is ``k / k_scale`` rounded to fp8, so a scale of
+        about ``max |k| / 448`` (e4m3fn; 57344 for e5m2) uses the format's range. Only while the cache
+        holds no token (the stored codes would change meaning): set scales before the first forward."""
+        self._require_fp8("set_kv_scales")
+        layer = self._layer(layer_id)
+        scales = np.stack([self._scale_row(k_scale, "k_scale"), self._scale_row(v_scale, "v_scale")])
+        self._require_empty_pages("set_kv_scales")
+        self._scales[layer].copyfrom(scales)
+
+    def _init_scales(self, kv_scales) -> None:
+        """The constructor's ``kv_scales``: ``[num_layers, 2, H_kv]`` or ``[2, H_kv]`` for every layer."""
+        self._require_fp8("kv_scales")
+        cfg = self.config
+        try:
+            arr = np.asarray(kv_scales, np.float64)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"kv_scales={kv_scales!r} is not an array of floats") from err
+        want = ((cfg.num_layers, 2, cfg.num_kv_heads), (2, cfg.num_kv_heads))
+        if arr.shape not in want:
+            raise ValueError(
+                f"kv_scales has shape {arr.shape}; pass [num_layers, 2, num_kv_heads] = {want[0]} or one "
+                f"[2, num_kv_heads] = {want[1]} for every layer"
+            )
+        per_layer = np.broadcast_to(arr, want[0])
+        rows = [
+            [self._scale_row(per_layer[layer, kv], f"kv_scales[{layer}, {kv}]") for kv in (0, 1)]
+            for layer in range(cfg.num_layers)
+        ]
+        for layer, (k, v) in enumerate(rows):
+            self._scales[layer].copyfrom(np.stack([k, v]))
+
+    def _scale_row(self, value, name: str) -> np.ndarray:
+        """``value`` (a float or ``[H_kv]``) as float32 ``[H_kv]``, each positive and finite."""
+        H = self.config.num_kv_heads
+        try:
+            row = np.asarray(value, np.float64)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"{name}={value!r} is not a float or an array of {H} floats") from err
+        if row.ndim == 0:
+            row = np.full(H, float(row))
+        if row.shape != (H,):
+            raise ValueError(f"{name} has shape {row.shape}; pass one float or {H} (num_kv_heads) of them")
+        bad = ~(np.isfinite(row) & (row > 0))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{name}[{i}]={row[i]!r}: every scale must be positive and finite")
+        small = row < np.finfo(np.float32).tiny
+        if small.any():
+            i = int(np.flatnonzero(small)[0])
+            raise ValueError(f"{name}[{i}]={row[i]!r} is below float32's smallest normal: use a larger scale")
+        return row.astype(np.float32)
+
+    def _require_fp8(self, what: str) -> None:
+        if not self.config.fp8_pages:
+            raise ValueError(
+                f"{what}: this cache's pages are {self.config.page_dtype}; scales belong to fp8 pages "
+                "(construct it with kv_dtype='float8_e4m3fn' or 'float8_e5m2')"
+            )
+
+    def _require_empty_pages(self, what: str) -> None:
+        if self._fwd is not None:
+            raise ForwardStateError(f"{what} called inside begin_forward/end_forward")
+        if self.pool.num_free != self.pool.num_pages or self._table.swapped:
+            raise ValueError(
+                f"{what}: the cache holds tokens ({self.pool.num_pages - self.pool.num_free} pages in use"
+                f"{', sequences swapped out' if self._table.swapped else ''}) whose stored codes would change "
+                "meaning; set scales before the first forward (or remove every sequence first)"
+            )
 
     # ------------------------------------------------------------------ internals
     def _copy_page(self, src: int, dst: int, num_slots: int) -> None:

@@ -233,6 +233,11 @@ def _check_layout(cache) -> None:
     """The cache stores MHA pages ``[num_pages, 2, H_kv, P, D]`` per layer (MLA caches do not) and has no
     RoPE extension factors (longrope; TVM refuses those caches too)."""
     cfg = cache.config
+    if getattr(cfg, "fp8_pages", False):
+        raise NotImplementedError(
+            f"checkpoints of fp8 pages (kv_dtype={cfg.kv_dtype!r}) are not supported yet (TVM's format has "
+            "no page scales): move the sequence with tvmkv.runtime.transfer to a cache of the same configuration"
+        )
     if getattr(getattr(cfg, "rope_scaling", None), "long_factor", None) is not None:
         raise ValueError(
             "checkpoints do not support RoPE extension factors (rope_scaling longrope), as in TVM: "

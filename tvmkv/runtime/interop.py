@@ -95,10 +95,16 @@ _int = as_int  # ints, not bools, with the argument named in the error
 
 
 def _mha(cache) -> None:
-    """The foreign layouts are MHA layouts: refuse an MLA cache (docs/layout.md, "MLA pages")."""
+    """The foreign layouts are MHA layouts of 16/32-bit values: refuse an MLA cache (docs/layout.md, "MLA
+    pages") and fp8 pages ("fp8 pages": codes under per-head scales, not yet converted)."""
     if cache.config.is_mla:
         raise NotImplementedError(
             "the interop layouts (vLLM/FlashInfer/TVM/ATB K and V pages) are MHA layouts; this is an MLA cache"
+        )
+    if cache.config.fp8_pages:
+        raise NotImplementedError(
+            f"the interop layouts hold {cache.config.dtype} K/V; this cache's pages are {cache.config.page_dtype} "
+            "codes under per-head scales: read them with debug_get_kv (dequantized) instead"
         )
 
 

@@ -309,36 +309,38 @@ def graph_key(fwd: Forward) -> tuple:
     return fwd.key
 
 
-def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> None:
+def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int = 0) -> None:
     """Launch one layer's kernels with the arguments :meth:`Launcher.bind` prepared (O(1) Python).
-    ``window`` > 0: the layer attends within a sliding window of its own (``fwd.local``)."""
+    ``pages``: the layer's page arguments, ``(pages,)`` or with fp8 pages ``(pages, kv_scale)``
+    (docs/layout.md, "fp8 pages"). ``window`` > 0: the layer attends within a sliding window of its
+    own (``fwd.local``)."""
     if fwd.single and not window:  # the whole decode layer in one launch
         kernel, head, tail, trailing = fwd.single
         lse, rope_scale, rope_theta = fwd.attn_end
-        kernel(qkv, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, *trailing)
+        kernel(qkv, *head, *pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, *trailing)
         return
     split_rope, append, attention = fwd.kernels
     lse, rope_scale, rope_theta = fwd.attn_end
     if fwd.direct:  # no split: the kernels read q (and ragged k, v) from qkv; never a local layer
         if append is not None:  # (the ragged kernel stores K/V itself)
-            append(pages, qkv, *fwd.append)
-        attention(qkv, *fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
+            append(*pages, qkv, *fwd.append)
+        attention(qkv, *fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
         return
     if fwd.fused:  # split + rotate + append in one kernel
-        split_rope(qkv, *fwd.split, pages, *fwd.append)
+        split_rope(qkv, *fwd.split, *pages, *fwd.append)
     else:
         split_rope(qkv, *fwd.split)
-        append(pages, *fwd.append)
+        append(*pages, *fwd.append)
     if window:  # a local layer: the window's kernel variant, never split
         if fwd.paged:
-            fwd.local(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta, window)
+            fwd.local(*fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta, window)
         else:
             fwd.local(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta, window)
     elif fwd.counter is not None:  # split decode, merged by the last block of each group
         o_part, lse_part = fwd.parts
         attention(
             *fwd.attn_head,
-            pages,
+            *pages,
             *fwd.attn_tail,
             o_part,
             lse_part,
@@ -354,7 +356,7 @@ def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> 
         o_part, lse_part = fwd.parts
         attention(
             *fwd.attn_head,
-            pages,
+            *pages,
             *fwd.attn_tail,
             o_part,
             lse_part,
@@ -365,7 +367,7 @@ def run_layer(fwd: Forward, pages, qkv, o, sm_scale: float, window: int = 0) -> 
         )
         fwd.merge(o_part, lse_part, o, lse)
     elif fwd.paged:
-        attention(*fwd.attn_head, pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
+        attention(*fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
     else:
         attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
 
@@ -384,13 +386,16 @@ def _paged_tail(d: dict) -> tuple:
     )
 
 
-def run_paged(bound: tuple, pages, q, o, lse, sm_scale: float, rope_scale: float, rope_theta: float, window: int):
-    """Launch :meth:`Launcher.paged`'s ``bound`` attention of ``q`` over ``pages`` into ``o`` / ``lse``."""
+def run_paged(
+    bound: tuple, pages: tuple, q, o, lse, sm_scale: float, rope_scale: float, rope_theta: float, window: int
+):
+    """Launch :meth:`Launcher.paged`'s ``bound`` attention of ``q`` over ``pages`` (a layer's page
+    arguments, as :func:`run_layer` takes them) into ``o`` / ``lse``."""
     kernel, local, head, tail = bound
     if window:
-        local(q, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, window)
+        local(q, *head, *pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, window)
     else:
-        kernel(q, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta)
+        kernel(q, *head, *pages, *tail, o, lse, sm_scale, rope_scale, rope_theta)
 
 
 def run_ragged(fwd: Forward, kernels, q, k, v, o, lse, sm_scale: float, window: int) -> None:

@@ -62,9 +62,12 @@ class _Swapped:
 
 
 def _numpy_view(t, dtype: str) -> np.ndarray:
-    """A NumPy array sharing the memory of the CPU tensor ``t`` (offset 0; bfloat16 via a uint16 view)."""
+    """A NumPy array sharing the memory of the CPU tensor ``t`` (offset 0; bfloat16 via a uint16 view,
+    fp8 pages via a uint8 view: DLPack has no NumPy dtype for them)."""
     if dtype == "bfloat16":
         return np.from_dlpack(t._create_view(tuple(t.shape), "uint16")).view(tensors.numpy_dtype(dtype))
+    if dtype.startswith("float8"):
+        return np.from_dlpack(t._create_view(tuple(t.shape), "uint8")).view(tensors.numpy_dtype(dtype))
     return np.from_dlpack(t)
 
 
@@ -235,12 +238,12 @@ class HostSwap:
         return tvm.cpu(0)
 
     def _empty_rows(self, m: int, device):
-        """A tensor ``[m, L, 2, H_kv, P, D]`` of the cache dtype on ``device``."""
+        """A tensor ``[m, L, 2, H_kv, P, D]`` of the page dtype on ``device``."""
         import tvm
 
         cfg = self.config
         shape = (m, cfg.num_layers, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
-        return tvm.runtime.empty(shape, cfg.dtype, device)
+        return tvm.runtime.empty(shape, cfg.page_dtype, device)
 
     def _row_bytes(self) -> int:
         return self.config.num_layers * self.config.page_bytes
@@ -251,7 +254,7 @@ class HostSwap:
                 f"max_staging_bytes={max_staging_bytes} is smaller than one page of all layers "
                 f"({self._row_bytes()} bytes); raise it"
             )
-        row_elems = self._row_bytes() // self.config.itemsize
+        row_elems = self._row_bytes() // self.config.page_itemsize
         step = min(max_staging_bytes // self._row_bytes(), (2**31 - 1) // row_elems)  # int32 kernel indices
         return [(a, min(m, a + step)) for a in range(0, m, step)]
 
@@ -320,7 +323,7 @@ class HostSwap:
         if all(k[0] is block and k[1] == lo + i for i, k in enumerate(keys)):
             return block.tensor, lo
         out = self._empty_rows(len(keys), self._host_device())
-        dst = _numpy_view(out, self.config.dtype)
+        dst = _numpy_view(out, self.config.page_dtype)
         views = {}
         at = 0
         while at < len(keys):  # copy runs of consecutive rows of one buffer with one slice each
@@ -329,7 +332,7 @@ class HostSwap:
             while end < len(keys) and keys[end][0] is block and keys[end][1] == r + (end - at):
                 end += 1
             if id(block) not in views:
-                views[id(block)] = _numpy_view(block.tensor, self.config.dtype)
+                views[id(block)] = _numpy_view(block.tensor, self.config.page_dtype)
             dst[at:end] = views[id(block)][r : r + (end - at)]
             at = end
         return out, 0

@@ -8,11 +8,11 @@ _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 
 
 def numpy_dtype(dtype: str):
-    """NumPy dtype for a tvmkv dtype name (bfloat16 through ml_dtypes)."""
-    if dtype == "bfloat16":
+    """NumPy dtype for a tvmkv dtype name (bfloat16 and the fp8 page dtypes through ml_dtypes)."""
+    if dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         import ml_dtypes
 
-        return ml_dtypes.bfloat16
+        return getattr(ml_dtypes, dtype)
     return _NP_DTYPES[dtype]
 
 

@@ -25,6 +25,8 @@ Sequences with uncommitted token-tree nodes or a sliding window are refused (as 
 
 from __future__ import annotations
 
+import numpy as np
+
 from .checkpoint import ImportReservations, check_new_id, copy_pages, plain_sequence
 from .sequences import as_int, check_id
 
@@ -33,7 +35,7 @@ __all__ = ["Receive", "check_compatible", "move_sequence", "prepare_receive", "s
 # Configuration fields the stored K/V depends on (capacity, batch and target may differ); the RoPE
 # variant ones (partial rotary, llama3 / yarn scaling) rotate K differently under rope_mode "normal".
 _FIELDS = (
-    *("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype"),
+    *("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "kv_dtype"),
     *("rope_mode", "rope_scale", "rope_theta", "rotary_dim", "rope_scaling"),
     *("kv_lora_rank", "qk_rope_head_dim"),  # MLA caches move their latent pages the same way
 )
@@ -51,6 +53,14 @@ def check_compatible(sender, receiver) -> None:
     a, b = tuple(sender.pages[0].shape[1:]), tuple(receiver.pages[0].shape[1:])
     if a != b:
         raise ValueError(f"cannot move a sequence between pages of shape {a} (sender) and {b} (receiver)")
+    if getattr(sender.config, "fp8_pages", False):  # fp8 codes mean the same only under the same scales
+        for layer in range(sender.config.num_layers):
+            if not np.array_equal(sender.kv_scales(layer), receiver.kv_scales(layer)):
+                raise ValueError(
+                    f"cannot move a sequence between these caches: their fp8 page scales differ at layer {layer} "
+                    f"({sender.kv_scales(layer).tolist()} vs {receiver.kv_scales(layer).tolist()}); give the "
+                    "receiver the sender's scales (set_kv_scales) before any token is stored"
+                )
 
 
 class Receive:

@@ -10,6 +10,8 @@ Modules:
 * ``spec``: :class:`KernelSpec`, the static parameters.
 * ``_kernel_common``: the helpers every family shares (the macro decorator, named state slots,
   function attributes, the data-movement CUDA block shape, the RoPE frequency).
+* ``fp8``: fp8 pages (``KernelSpec.kv_dtype``): the quantize / dequantize expressions every kernel
+  that writes or reads pages uses, and the ``kv_scale`` parameter it takes after ``pages``.
 * attention: ``attention`` (the signatures of paged prefill, ragged prefill, paged decode and its
   split), ``attention_generic`` (the generic schedule, llvm and cuda), ``prefill_cuda``,
   ``prefill_hopper`` (sm_90: warpgroup MMA) and ``decode_cuda`` (the fast CUDA schedules),

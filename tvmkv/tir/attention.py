@@ -3,7 +3,7 @@
 """The attention kernels' signatures: one PrimFunc signature per attention role (paged prefill,
 ragged prefill, paged decode and its split), shared by every schedule that implements the role.
 
-Each ``*_func(spec, body)`` declares the parameters once and expands ``body``, a
+Each ``*_func(spec, body, scale)`` declares the parameters once and expands ``body``, a
 :func:`~tvmkv.tir._kernel_common.macro` without arguments, inside: the generic schedule
 (:mod:`tvmkv.tir.attention_generic`, llvm and cuda), the tensor-core prefill
 (:mod:`tvmkv.tir.prefill_cuda`), the CUDA decode (:mod:`tvmkv.tir.decode_cuda`) and the llvm split
@@ -15,7 +15,10 @@ the parameters are documented by the factories (:func:`tvmkv.tir.prefill.make_pa
 A role's local-window variant (``local=True``: ``paged_prefill_causal_local``,
 ``ragged_prefill_causal_local``, ``paged_decode_local``; docs/layout.md, "Per-layer sliding window")
 is the same signature plus one trailing ``layer_window: int32`` parameter, which its body reads by
-name like the others (:func:`_with_layer_window` appends it to the parsed function).
+name like the others (:func:`_with_layer_window` appends it to the parsed function). With fp8 pages
+(``spec.fp8_pages``) every signature with ``pages`` takes ``kv_scale [2, H_kv] float32`` right after
+it: ``scale``, the buffer the body reads (:func:`tvmkv.tir.fp8.kv_scale_buffer`), inserted by
+:func:`tvmkv.tir.fp8.with_kv_scale`.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ from tvm.script import tirx as T
 from ._kernel_common import func_attrs, qkv_view
 from .append import append_body
 from .decode_layout import MERGE_MAX_SPLITS
+from .fp8 import with_kv_scale
 from .spec import KernelSpec
 
 
-def _decode_append_func(spec: KernelSpec, body, *, split: bool):
+def _decode_append_func(spec: KernelSpec, body, scale, *, split: bool):
     """``paged_decode_append`` / ``paged_decode_append_split`` (see :func:`decode_func`)."""
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     attrs = func_attrs(spec)
     if split:
 
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)  # checked once finished (with_kv_scale, _with_layer_window)
         def paged_decode_append_split(
             var_qkv: T.handle,
             var_q_pos: T.handle,
@@ -63,7 +67,7 @@ def _decode_append_func(spec: KernelSpec, body, *, split: bool):
             ncount = T.int32()
             q = T.match_buffer(var_qkv, (B, H_qo + 2 * H_kv, D), dtype)
             q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), spec.page_dtype)
             page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
             page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
             last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
@@ -80,9 +84,9 @@ def _decode_append_func(spec: KernelSpec, body, *, split: bool):
             )
             body()
 
-        return paged_decode_append_split
+        return with_kv_scale(paged_decode_append_split, scale, 2)
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=False)  # checked once finished (with_kv_scale, _with_layer_window)
     def paged_decode_append(
         var_qkv: T.handle,
         var_q_pos: T.handle,
@@ -104,7 +108,7 @@ def _decode_append_func(spec: KernelSpec, body, *, split: bool):
         nnz = T.int32()
         q = T.match_buffer(var_qkv, (B, H_qo + 2 * H_kv, D), dtype)
         q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), spec.page_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
         page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
@@ -115,7 +119,7 @@ def _decode_append_func(spec: KernelSpec, body, *, split: bool):
         NSPLIT = T.meta_var(1)
         body()
 
-    return paged_decode_append
+    return with_kv_scale(paged_decode_append, scale, 2)
 
 
 def _layer_window_var(local: bool):
@@ -126,15 +130,15 @@ def _layer_window_var(local: bool):
 def _with_layer_window(func, layer_window):
     """``func`` with the scalar ``layer_window`` appended to its parameters (``func`` itself when it
     is None). The body bound it by name (``T.meta_var``) before it was a parameter, so the signature
-    was parsed without the well-formedness check, which runs here on the finished function."""
-    if layer_window is None:
-        return func
-    func = tirx.PrimFunc([*func.params, layer_window], func.body, func.ret_type, func.attrs)
+    was parsed without the well-formedness check, which runs here on the finished function (as in
+    :func:`tvmkv.tir.fp8.with_kv_scale`, which adds fp8 pages' ``kv_scale`` after ``pages``)."""
+    if layer_window is not None:
+        func = tirx.PrimFunc([*func.params, layer_window], func.body, func.ret_type, func.attrs)
     tirx.analysis.verify_well_formed(func)
     return func
 
 
-def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qkv: bool = False):
+def paged_prefill_func(spec: KernelSpec, body, scale=None, *, local: bool = False, fused_qkv: bool = False):
     """The ``paged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a macro without arguments;
     one signature for every mask, target and schedule. The parameters are those of
     :func:`tvmkv.tir.prefill.make_paged_prefill`; ``body`` reads them by name (sizes ``n`` and ``B``).
@@ -146,7 +150,7 @@ def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qkv
     QH = spec.qkv_heads if fused_qkv else H_qo  # heads of the first parameter
     q_view = qkv_view(spec, 0)
 
-    @T.prim_func(check_well_formed=lw is None)
+    @T.prim_func(check_well_formed=False)  # checked once finished (with_kv_scale, _with_layer_window)
     def paged_prefill(
         var_q: T.handle,
         var_q_indptr: T.handle,
@@ -178,7 +182,7 @@ def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qkv
         q_in = T.match_buffer(var_q, (n, QH, D), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (B + 1,), "int32")
         q_pos = T.match_buffer(var_q_pos, (n,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), spec.page_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
         page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
@@ -196,11 +200,11 @@ def paged_prefill_func(spec: KernelSpec, body, *, local: bool = False, fused_qkv
         layer_window = T.meta_var(lw)
         body()
 
-    return _with_layer_window(paged_prefill, lw)
+    return _with_layer_window(with_kv_scale(paged_prefill, scale, 3, check=False), lw)
 
 
 def ragged_prefill_func(
-    spec: KernelSpec, body, *, local: bool = False, fused_qkv: bool = False, body_stores_kv: bool = False
+    spec: KernelSpec, body, scale=None, *, local: bool = False, fused_qkv: bool = False, body_stores_kv: bool = False
 ):
     """The ``ragged_prefill_<mask>`` PrimFunc of ``spec`` around ``body``, a macro without arguments;
     one signature for every mask, target and schedule. The parameters are those of
@@ -215,10 +219,10 @@ def ragged_prefill_func(
     attrs = func_attrs(spec)
     if fused_qkv:
         assert not local, "ragged_prefill_func: no fused-qkv variant of a local-window kernel"
-        return _ragged_prefill_qkv(spec, body, body_stores_kv)
+        return _ragged_prefill_qkv(spec, body, scale, body_stores_kv)
     lw = _layer_window_var(local)
 
-    @T.prim_func(check_well_formed=lw is None)
+    @T.prim_func(check_well_formed=False)  # checked once finished (with_kv_scale, _with_layer_window)
     def ragged_prefill(
         var_q: T.handle,
         var_k: T.handle,
@@ -251,15 +255,15 @@ def ragged_prefill_func(
     return _with_layer_window(ragged_prefill, lw)
 
 
-def _ragged_prefill_qkv(spec: KernelSpec, body, body_stores_kv: bool):
+def _ragged_prefill_qkv(spec: KernelSpec, body, scale, body_stores_kv: bool):
     """``ragged_prefill_causal_qkv`` (see :func:`ragged_prefill_func`)."""
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     attrs = func_attrs(spec)
-    store_kv = append_body(spec)
+    store_kv = append_body(spec, scale)
     QH = spec.qkv_heads
     q_view, k_view, v_view = (qkv_view(spec, 0), qkv_view(spec, H_qo), qkv_view(spec, H_qo + H_kv))
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=False)  # checked once finished (with_kv_scale, _with_layer_window)
     def ragged_prefill_qkv(
         var_qkv: T.handle,
         var_q_indptr: T.handle,
@@ -282,7 +286,7 @@ def _ragged_prefill_qkv(spec: KernelSpec, body, body_stores_kv: bool):
         q_indptr = T.match_buffer(var_q_indptr, (B1,), "int32")
         q_pos = T.match_buffer(var_q_pos, (n,), "int32")
         q_tree = T.match_buffer(var_q_tree, (nt, 2), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), spec.page_dtype)
         slot = T.match_buffer(var_slot, (n,), "int32")
         o = T.match_buffer(var_o, (n, H_qo, D), dtype)
         lse = T.match_buffer(var_lse, (n, H_qo), "float32")
@@ -294,10 +298,19 @@ def _ragged_prefill_qkv(spec: KernelSpec, body, body_stores_kv: bool):
             store_kv()
         body()
 
-    return ragged_prefill_qkv
+    return with_kv_scale(ragged_prefill_qkv, scale, 4)
 
 
-def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, merge: bool = False, append: bool = False):
+def decode_func(
+    spec: KernelSpec,
+    body,
+    scale=None,
+    *,
+    split: bool,
+    local: bool = False,
+    merge: bool = False,
+    append: bool = False,
+):
     """The ``paged_decode`` PrimFunc of ``spec`` (with ``split``: ``paged_decode_split``; with ``merge``
     too: ``paged_decode_split_merge``) around ``body``, a macro without arguments; one signature for
     every target and schedule.
@@ -318,12 +331,12 @@ def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, mer
         raise ValueError("paged_decode_split has no local-window variant (local layers are not split)")
     lw = _layer_window_var(local)
     if append:
-        return _decode_append_func(spec, body, split=split and merge)
+        return _decode_append_func(spec, body, scale, split=split and merge)
     if merge:
         if not split:
             raise ValueError("merge=True is the split decode with its merge; pass split=True")
 
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)  # checked once finished (with_kv_scale, _with_layer_window)
         def paged_decode_split_merge(
             var_q: T.handle,
             var_q_pos: T.handle,
@@ -350,7 +363,7 @@ def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, mer
             ncount = T.int32()
             q = T.match_buffer(var_q, (B, H_qo, D), dtype)
             q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), spec.page_dtype)
             page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
             page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
             last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
@@ -365,10 +378,10 @@ def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, mer
             )
             body()
 
-        return paged_decode_split_merge
+        return with_kv_scale(paged_decode_split_merge, scale, 2)
     if split:
 
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)  # checked once finished (with_kv_scale, _with_layer_window)
         def paged_decode_split(
             var_q: T.handle,
             var_q_pos: T.handle,
@@ -391,7 +404,7 @@ def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, mer
             nnz = T.int32()
             q = T.match_buffer(var_q, (B, H_qo, D), dtype)
             q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+            pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), spec.page_dtype)
             page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
             page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
             last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
@@ -400,9 +413,9 @@ def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, mer
             lse_part = T.match_buffer(var_lse_part, (NSPLIT, B, H_qo), "float32")
             body()
 
-        return paged_decode_split
+        return with_kv_scale(paged_decode_split, scale, 2)
 
-    @T.prim_func(check_well_formed=lw is None)
+    @T.prim_func(check_well_formed=False)  # checked once finished (with_kv_scale, _with_layer_window)
     def paged_decode(
         var_q: T.handle,
         var_q_pos: T.handle,
@@ -423,7 +436,7 @@ def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, mer
         nnz = T.int32()
         q = T.match_buffer(var_q, (B, H_qo, D), dtype)
         q_pos = T.match_buffer(var_q_pos, (B,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), spec.page_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32")
         page_indices = T.match_buffer(var_page_indices, (nnz,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (B,), "int32")
@@ -434,4 +447,4 @@ def decode_func(spec: KernelSpec, body, *, split: bool, local: bool = False, mer
         layer_window = T.meta_var(lw)
         body()
 
-    return _with_layer_window(paged_decode, lw)
+    return _with_layer_window(with_kv_scale(paged_decode, scale, 2, check=False), lw)

@@ -35,6 +35,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro, rope_inv_freq, slots
 from .attention import decode_func, paged_prefill_func, ragged_prefill_func
+from .fp8 import kv_scale_buffer, page_value, times_key_scale, times_value_scale
 from .spec import KernelSpec
 
 CPU_TILE = 32  # keys scored per tile on the CPU (a tile size, unrelated to the page size)
@@ -129,6 +130,10 @@ def build_attention(
     out_loop = T.serial if dtype == "bfloat16" else T.vectorized
     NRK = len(ROW_KEYS_LOCAL if local else ROW_KEYS)  # state slots of a row's / a block's key range
     NBK = len(BLOCK_KEYS_LOCAL if local else BLOCK_KEYS)
+    # fp8 pages: the kv_scale parameter (paged sources read the pages with it; the fused ragged
+    # kernel only stores with it, its keys and values are read unquantized from qkv)
+    scale = kv_scale_buffer(spec) if paged or fused_qkv else None
+    read_scale = scale if paged else None
 
     # ---------------------------------------------------------------- pieces shared by both schedules
     @macro
@@ -248,16 +253,25 @@ def build_attention(
                     and q_tree[i, 1] <= q_tree[rng[ROW_KEYS.base] + j, 1],
                 )
 
-    # Parse-time helpers: ``K_src`` / ``V_src`` are the pages (paged) or k / v (ragged)
+    # Parse-time helpers: ``K_src`` / ``V_src`` are the pages (paged) or k / v (ragged). fp8 pages
+    # (tvmkv.tir.fp8): a key or value read from a page is its code's value before the scale; the K
+    # scale joins the query's factor, the V scale multiplies the output
     def k_at(K_src, kid, hk, d):
         if paged:
-            return T.Cast("float32", K_src[kid >> LOGP, 0, hk, kid & PMASK, d])
+            return page_value(spec, K_src[kid >> LOGP, 0, hk, kid & PMASK, d])
         return T.Cast("float32", K_src[kid, hk, d])
 
     def v_at(V_src, kid, hk, d):
         if paged:
-            return T.Cast("float32", V_src[kid >> LOGP, 1, hk, kid & PMASK, d])
+            return page_value(spec, V_src[kid >> LOGP, 1, hk, kid & PMASK, d])
         return T.Cast("float32", V_src[kid, hk, d])
+
+    def q_factor(sm_scale, hk):
+        # what a query element is multiplied by: sm_scale in base 2 (and the K scale)
+        return times_key_scale(sm_scale * T.float32(LOG2E), read_scale, hk)
+
+    def out_value(x, hk):
+        return times_value_scale(x, read_scale, hk)
 
     def freq(rope_scale, rope_theta, d):
         return rope_inv_freq(rope_scale, rope_theta, d, D)
@@ -434,16 +448,16 @@ def build_attention(
                             T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * T.cos(w.kp[0] * w.fr[d])
                             - T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d + HALF])
                             * T.sin(w.kp[0] * w.fr[d])
-                        ) * (sm_scale * T.float32(LOG2E))
+                        ) * q_factor(sm_scale, hk)
                         Q[r * group + g, d + HALF] = (
                             T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d + HALF])
                             * T.cos(w.kp[0] * w.fr[d])
                             + T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * T.sin(w.kp[0] * w.fr[d])
-                        ) * (sm_scale * T.float32(LOG2E))
+                        ) * q_factor(sm_scale, hk)
                 else:
                     for d in T.vectorized(D):
-                        Q[r * group + g, d] = T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * (
-                            sm_scale * T.float32(LOG2E)
+                        Q[r * group + g, d] = T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * q_factor(
+                            sm_scale, hk
                         )
         for t in T.serial(first_tile(w.sq, BLOCK_KEYS_LOCAL.start, C), (w.sq[BLOCK_KEYS.end] + C - 1) // C):
             cpu_keys(w, t, hk, K_src, V_src)
@@ -504,7 +518,9 @@ def build_attention(
                         lse[r0 + r, hk * group + g] = T.float32(neg_inf)
                     else:
                         for d in out_loop(D):
-                            o[r0 + r, hk * group + g, d] = T.Cast(dtype, O[r * group + g, d] / d_sum[r * group + g])
+                            o[r0 + r, hk * group + g, d] = T.Cast(
+                                dtype, out_value(O[r * group + g, d] / d_sum[r * group + g], hk)
+                            )
                         lse[r0 + r, hk * group + g] = m[r * group + g] + T.log2(d_sum[r * group + g])
 
     @macro
@@ -623,16 +639,16 @@ def build_attention(
                             * T.cos(T.Cast("float32", q_pos[i]) * Fs[r * WARP + tx])
                             - T.Cast("float32", q[i, h, r * WARP + tx + HALF])
                             * T.sin(T.Cast("float32", q_pos[i]) * Fs[r * WARP + tx])
-                        ) * (sm_scale * T.float32(LOG2E))
+                        ) * q_factor(sm_scale, hk)
                     else:
                         Qs[ty, r * WARP + tx] = (
                             T.Cast("float32", q[i, h, r * WARP + tx])
                             * T.cos(T.Cast("float32", q_pos[i]) * Fs[r * WARP + tx - HALF])
                             + T.Cast("float32", q[i, h, r * WARP + tx - HALF])
                             * T.sin(T.Cast("float32", q_pos[i]) * Fs[r * WARP + tx - HALF])
-                        ) * (sm_scale * T.float32(LOG2E))
+                        ) * q_factor(sm_scale, hk)
                 else:
-                    Qs[ty, r * WARP + tx] = T.Cast("float32", q[i, h, r * WARP + tx]) * (sm_scale * T.float32(LOG2E))
+                    Qs[ty, r * WARP + tx] = T.Cast("float32", q[i, h, r * WARP + tx]) * q_factor(sm_scale, hk)
         st[SOFTMAX.m] = T.float32(neg_inf)
         st[SOFTMAX.d_sum] = T.float32(0)
         T.tvm_storage_sync("shared")
@@ -686,7 +702,7 @@ def build_attention(
                 if st[SOFTMAX.d_sum] == T.float32(0):
                     o[i, h, r * WARP + tx] = T.Cast(dtype, T.float32(0))
                 else:
-                    o[i, h, r * WARP + tx] = T.Cast(dtype, O[r] / st[SOFTMAX.d_sum])
+                    o[i, h, r * WARP + tx] = T.Cast(dtype, out_value(O[r] / st[SOFTMAX.d_sum], hk))
         if tx == 0:
             if st[SOFTMAX.d_sum] == T.float32(0):
                 lse[i, h] = T.float32(neg_inf)
@@ -716,7 +732,7 @@ def build_attention(
             gpu_body(n, k, v)
 
     if source == "paged":
-        return paged_prefill_func(spec, paged_body, local=local, fused_qkv=fused_qkv)
+        return paged_prefill_func(spec, paged_body, scale, local=local, fused_qkv=fused_qkv)
     if source == "decode":
-        return decode_func(spec, decode_body, split=False, local=local)
-    return ragged_prefill_func(spec, ragged_body, local=local, fused_qkv=fused_qkv)
+        return decode_func(spec, decode_body, scale, split=False, local=local)
+    return ragged_prefill_func(spec, ragged_body, scale, local=local, fused_qkv=fused_qkv)

@@ -11,6 +11,7 @@ from tvm.script import tirx as T
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
 from .attention_generic import build_attention
+from .fp8 import kv_scale_buffer, page_value, times_key_scale, times_value_scale
 from .spec import KernelSpec
 
 # Named slots of the llvm split kernel's state (see _kernel_common.slots): the sequence's visited keys
@@ -155,10 +156,12 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
     PMASK = P - 1
     neg_inf = T.float32("-inf")
 
+    scale = kv_scale_buffer(spec)  # fp8 pages (tvmkv.tir.fp8): read as in the generic schedule
+
     def rotated(buf, row, d, pos, rope_scale, rope_theta):
-        # rotate-half RoPE of element d of the row buf[*row, :] at position pos, in fp32
+        # rotate-half RoPE of element d of the row buf[*row, :] (q, or a page row) at position pos, in fp32
         def at(e):
-            return T.Cast("float32", buf[(*row, e)])
+            return T.Cast("float32", buf[(*row, e)]) if buf.dtype == spec.dtype else page_value(spec, buf[(*row, e)])
 
         ang = T.Cast("float32", pos) * rope_inv_freq(rope_scale, rope_theta, d % HALF, D)
         other = T.if_then_else(d < HALF, -at(T.min(d + HALF, D - 1)), at(T.max(d - HALF, 0)))
@@ -198,11 +201,13 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
             seq[SPLIT_SEQ.x1] = T.min(seq[SPLIT_SEQ.x1], seq[SPLIT_SEQ.x0] + kv_chunk)
             for g, d in T.grid(group, D):
                 if rope:
-                    Q[g, d] = rotated(q, (b, hk * group + g), d, q_pos[b], rope_scale, rope_theta) * (
-                        sm_scale * T.float32(LOG2E)
+                    Q[g, d] = rotated(q, (b, hk * group + g), d, q_pos[b], rope_scale, rope_theta) * times_key_scale(
+                        sm_scale * T.float32(LOG2E), scale, hk
                     )
                 else:
-                    Q[g, d] = T.Cast("float32", q[b, hk * group + g, d]) * (sm_scale * T.float32(LOG2E))
+                    Q[g, d] = T.Cast("float32", q[b, hk * group + g, d]) * times_key_scale(
+                        sm_scale * T.float32(LOG2E), scale, hk
+                    )
                 O[g, d] = T.float32(0)
             for g in T.serial(group):
                 m[g] = neg_inf
@@ -227,7 +232,7 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
                             rope_theta,
                         )
                     else:
-                        Kf[d] = T.Cast("float32", pages[page, 0, hk, j & PMASK, d])
+                        Kf[d] = page_value(spec, pages[page, 0, hk, j & PMASK, d])
                 for g in T.serial(group):
                     st[SPLIT_SOFTMAX.s] = T.float32(0)
                     for d in T.serial(D):
@@ -237,8 +242,8 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
                     st[SPLIT_SOFTMAX.p] = T.exp2(st[SPLIT_SOFTMAX.s] - st[SPLIT_SOFTMAX.m_new])
                     l_sum[g] = l_sum[g] * st[SPLIT_SOFTMAX.alpha] + st[SPLIT_SOFTMAX.p]
                     for d in T.serial(D):
-                        O[g, d] = O[g, d] * st[SPLIT_SOFTMAX.alpha] + st[SPLIT_SOFTMAX.p] * T.Cast(
-                            "float32", pages[page, 1, hk, j & PMASK, d]
+                        O[g, d] = O[g, d] * st[SPLIT_SOFTMAX.alpha] + st[SPLIT_SOFTMAX.p] * page_value(
+                            spec, pages[page, 1, hk, j & PMASK, d]
                         )
                     m[g] = st[SPLIT_SOFTMAX.m_new]
             for g in T.serial(group):
@@ -249,7 +254,7 @@ def _cpu_decode_split(spec: KernelSpec, *, sliding: bool, rope: bool):
                     lse_part[ch, b, hk * group + g] = neg_inf
                 else:
                     for d in T.serial(D):
-                        o_part[ch, b, hk * group + g, d] = O[g, d] / l_sum[g]
+                        o_part[ch, b, hk * group + g, d] = times_value_scale(O[g, d] / l_sum[g], scale, hk)
                     lse_part[ch, b, hk * group + g] = m[g] + T.log2(l_sum[g])
 
-    return decode_func(spec, body, split=True)
+    return decode_func(spec, body, scale, split=True)

@@ -39,6 +39,8 @@ def decode_layout(
     KPW (keys per warp), U (keys per lane group per tile), GQ (query heads per block), NW (warps),
     KB (keys per block per tile), NGB (blocks per kv head).
     """
+    if spec.fp8_pages:  # fp8 pages: the generic schedule, for now
+        return None
     D, group = spec.head_dim, spec.group
     eb = elem_bytes(spec.dtype)
     vec = 16 // eb

@@ -43,6 +43,14 @@ def _check(layout: str, direction: str, allowed: tuple) -> None:
         raise ValueError(f"direction={direction!r} is not one of {DIRECTIONS}")
 
 
+def _check_page_dtype(spec: KernelSpec) -> None:
+    if spec.fp8_pages:
+        raise NotImplementedError(
+            f"foreign-layout copies of fp8 pages (kv_dtype={spec.kv_dtype!r}) are not built yet: their values are "
+            "codes under per-head scales; read K/V with debug_get_kv (dequantized) or use a cache without kv_dtype"
+        )
+
+
 def page_copy_func(spec: KernelSpec, layout: str, body):
     """The ``<direction>_<layout>`` PrimFunc of ``spec`` for a paged ``layout`` around ``body``, a
     macro without arguments, which reads the parameters of :func:`make_page_copy` by name (sizes
@@ -105,6 +113,7 @@ def make_page_copy(spec: KernelSpec, layout: str, *, direction: str):
     layer : int32
         Which layer of ``foreign`` this call copies, ``0 <= layer < L``.
     """
+    _check_page_dtype(spec)
     _check(layout, direction, PAGED_LAYOUTS)
     H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)
@@ -159,6 +168,7 @@ def make_token_copy(spec: KernelSpec, *, direction: str):
     layer : int32
         Which layer of ``seq`` this call copies.
     """
+    _check_page_dtype(spec)
     _check("contiguous", direction, ("contiguous",))
     H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)

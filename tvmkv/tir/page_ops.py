@@ -7,6 +7,8 @@ Pages and slots are defined in docs/layout.md ("Pages"): ``slot = page_id * P + 
 copies K and V of all ``H_kv`` heads. CUDA mapping: ``threadIdx.x`` over the head dim, ``threadIdx.y``
 over a few heads (:func:`tvmkv.tir._kernel_common.heads_per_block`), ``blockIdx`` over slots / segments.
 Each kernel role has one signature (``*_func(spec, body)``); the llvm and cuda bodies are macros.
+The pages (and what ``gather`` / ``gather_pages`` write) are of ``spec.page_dtype``: fp8 pages are
+copied as their codes, never converted (:mod:`tvmkv.tir.fp8`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._kernel_common import func_attrs, heads_per_block, macro
+from .fp8 import zero
 from .spec import KernelSpec
 
 
 def copy_page_func(spec: KernelSpec, body):
     """The ``copy_page`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads
     the parameters of :func:`make_copy_page` by name."""
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.page_dtype
     attrs = func_attrs(spec)
 
     @T.prim_func
@@ -38,7 +41,7 @@ def make_copy_page(spec: KernelSpec):
 
     Parameters
     ----------
-    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+    pages : [num_pages, 2, H_kv, P, D], spec.page_dtype
         Page pool, **written in place**:
         ``pages[dst_page, :, :, :num_slots] = pages[src_page, :, :, :num_slots]``.
     src_page, dst_page : int32
@@ -74,7 +77,7 @@ def make_copy_page(spec: KernelSpec):
 def compact_copy_func(spec: KernelSpec, body):
     """The ``compact_copy`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
     reads the parameters of :func:`make_compact_copy` by name (sizes ``S1``, segments + 1, and ``m``)."""
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.page_dtype
     attrs = func_attrs(spec)
 
     @T.prim_func
@@ -102,7 +105,7 @@ def make_compact_copy(spec: KernelSpec):
 
     Parameters
     ----------
-    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+    pages : [num_pages, 2, H_kv, P, D], spec.page_dtype
         Page pool, **written in place**.
     copy_indptr : [S + 1], int32
         CSR offsets of the segments (non-decreasing; empty segments allowed).
@@ -146,7 +149,7 @@ def make_compact_copy(spec: KernelSpec):
 def gather_func(spec: KernelSpec, body):
     """The ``gather`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which reads the
     parameters of :func:`make_gather` by name (size ``m``, the number of slots)."""
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.page_dtype
     attrs = func_attrs(spec)
 
     @T.prim_func
@@ -168,14 +171,14 @@ def make_gather(spec: KernelSpec):
 
     Parameters
     ----------
-    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+    pages : [num_pages, 2, H_kv, P, D], spec.page_dtype
         Page pool (read only).
     slots : [m], int32
         Slots to read; a negative slot yields zeros.
-    k_out, v_out : [m, H_kv, D], spec.dtype
+    k_out, v_out : [m, H_kv, D], spec.page_dtype
         **Written**: ``k_out[e] = pages[slots[e] // P, 0, :, slots[e] % P]``, ``v_out`` likewise with index 1.
     """
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.page_dtype
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
 
@@ -189,8 +192,8 @@ def make_gather(spec: KernelSpec):
                         v_out[e, h, d] = pages[slots[e] // P, 1, h, slots[e] % P, d]
                 else:
                     for d in T.serial(D):  # serial: a vectorized bf16 constant store fails to legalize
-                        k_out[e, h, d] = T.cast(0, dtype)
-                        v_out[e, h, d] = T.cast(0, dtype)
+                        k_out[e, h, d] = zero(dtype)
+                        v_out[e, h, d] = zero(dtype)
 
     @macro
     def gpu_body():
@@ -204,8 +207,8 @@ def make_gather(spec: KernelSpec):
                                 k_out[e, h, d] = pages[slots[e] // P, 0, h, slots[e] % P, d]
                                 v_out[e, h, d] = pages[slots[e] // P, 1, h, slots[e] % P, d]
                             else:
-                                k_out[e, h, d] = T.cast(0, dtype)
-                                v_out[e, h, d] = T.cast(0, dtype)
+                                k_out[e, h, d] = zero(dtype)
+                                v_out[e, h, d] = zero(dtype)
 
     return gather_func(spec, cpu_body if spec.is_cpu else gpu_body)
 
@@ -216,11 +219,11 @@ def make_gather_pages(spec: KernelSpec):
 
     Parameters
     ----------
-    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+    pages : [num_pages, 2, H_kv, P, D], spec.page_dtype
         One layer's page pool (read only).
     page_ids : [m], int32
         Pages to copy (the caller checks the range).
-    staging : [m, L, 2, H_kv, P, D], spec.dtype
+    staging : [m, L, 2, H_kv, P, D], spec.page_dtype
         **Written** at ``layer``: ``staging[i, layer] = pages[page_ids[i]]`` for every ``i``; the rest
         is untouched (the other layers' calls fill it).
     layer : int32
@@ -235,11 +238,11 @@ def make_scatter_pages(spec: KernelSpec):
 
     Parameters
     ----------
-    pages : [num_pages, 2, H_kv, P, D], spec.dtype
+    pages : [num_pages, 2, H_kv, P, D], spec.page_dtype
         One layer's page pool, **written in place**: ``pages[page_ids[i]] = staging[i, layer]``.
     page_ids : [m], int32
         Destination pages, all distinct (the caller checks the range).
-    staging : [m, L, 2, H_kv, P, D], spec.dtype
+    staging : [m, L, 2, H_kv, P, D], spec.page_dtype
         Source rows (read only).
     layer : int32
         Layer index in ``[0, L)``.
@@ -251,7 +254,7 @@ def page_transfer_func(spec: KernelSpec, body):
     """The ``gather_pages`` / ``scatter_pages`` PrimFunc of ``spec`` around ``body``, a macro without
     arguments, which reads the parameters of :func:`make_gather_pages` by name (sizes ``m``, the
     number of pages, and ``L``, the layers of the staging buffer); both kernels share this signature."""
-    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.page_dtype
     attrs = func_attrs(spec)
 
     @T.prim_func

@@ -75,7 +75,7 @@ def make_paged_prefill(
         if mask != "causal":
             raise ValueError(f"mask={mask!r} has no local-window variant; local=True needs mask='causal'")
         return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope, local=True)
-    if spec.target_kind == "cuda":
+    if spec.target_kind == "cuda" and not spec.fp8_pages:  # fp8 pages: the generic schedule, for now
         from .prefill_cuda import make_prefill_cuda, prefill_layout
         from .prefill_hopper import hopper_layout, make_prefill_hopper
 

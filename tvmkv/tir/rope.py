@@ -21,6 +21,7 @@ import math
 from tvm.script import tirx as T
 
 from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro, rope_inv_freq
+from .fp8 import kv_scale_buffer, page_code, with_kv_scale
 from .rope_scaling import RopeScaling
 from .spec import KernelSpec
 
@@ -285,14 +286,15 @@ def split_rope_func(spec: KernelSpec, body):
     return split_rope
 
 
-def split_rope_append_func(spec: KernelSpec, body):
+def split_rope_append_func(spec: KernelSpec, body, scale=None):
     """The ``split_rope_append`` PrimFunc of ``spec`` around ``body`` (the parameters of
-    :func:`make_split_rope` with ``into_pages``, read by name; size ``n``)."""
+    :func:`make_split_rope` with ``into_pages``, read by name; size ``n``). ``scale``: fp8 pages'
+    ``kv_scale`` buffer ``body`` reads (:mod:`tvmkv.tir.fp8`), added after ``pages``."""
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     H = spec.qkv_heads
     attrs = func_attrs(spec)
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=False)  # checked by with_kv_scale
     def split_rope_append(
         var_qkv: T.handle,
         var_pos: T.handle,
@@ -308,11 +310,11 @@ def split_rope_append_func(spec: KernelSpec, body):
         qkv = T.match_buffer(var_qkv, (n, H, D), dtype)
         pos = T.match_buffer(var_pos, (n,), "int32")
         q = T.match_buffer(var_q, (n, H_qo, D), dtype)
-        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), dtype)
+        pages = T.match_buffer(var_pages, (num_pages, 2, H_kv, P, D), spec.page_dtype)
         slot = T.match_buffer(var_slot, (n,), "int32")
         body()
 
-    return split_rope_append
+    return with_kv_scale(split_rope_append, scale, 3)
 
 
 def make_split_rope(
@@ -340,7 +342,8 @@ def make_split_rope(
     rotate and :func:`tvmkv.tir.append.make_append` in one kernel: q as above, and token ``i``'s
     (rotated) k and its v written straight into ``pages`` ``[num_pages, 2, H_kv, P, D]`` at ``slot[i]``
     (skipped where ``slot[i] < 0``), for the forwards whose attention reads K/V from the pages (one
-    launch less per layer). Default RoPE only.
+    launch less per layer). Default RoPE only. With fp8 pages ``kv_scale [2, H_kv]`` follows ``pages``
+    and k / v are stored quantized as ``append`` stores them.
     """
     if into_pages and rope_scaling is not None:
         raise ValueError("into_pages with a rope_scaling variant: use split_rope + append for RoPE variants")
@@ -354,13 +357,16 @@ def make_split_rope(
     HY = heads_per_block(H, D2 // V)
     HB = (H + HY - 1) // HY
 
+    scale = kv_scale_buffer(spec) if into_pages else None  # fp8 pages: stored quantized
+    lanes = T.serial if scale is not None and not spec.is_cpu else T.vectorized  # (no fp8 vector converts)
+
     @macro
     def put_kv(kv, i, hk, d, value):
         # element d of kv head hk of token i (kv: 0 = k, 1 = v, a Python int): into the scratch k / v,
         # or (into_pages) at the token's slot, skipped where the slot is negative
         if into_pages:
             if slot[i] >= 0:
-                pages[slot[i] // P, kv, hk, slot[i] % P, d] = value
+                pages[slot[i] // P, kv, hk, slot[i] % P, d] = page_code(spec, value, scale, kv, hk)
         elif kv == 0:
             k[i, hk, d] = value
         else:
@@ -406,7 +412,7 @@ def make_split_rope(
             for hb in T.thread_binding(HB, thread="blockIdx.y"):
                 for hy in T.thread_binding(HY, thread="threadIdx.y"):
                     for c in T.thread_binding(D2 // V, thread="threadIdx.x"):
-                        for e in T.vectorized(V):
+                        for e in lanes(V):
                             d = T.meta_var(c * V + e)
                             h = T.meta_var(hb * HY + hy)
                             if i < n and h < H:
@@ -450,8 +456,9 @@ def make_split_rope(
                                     put_kv(1, i, h - H_qo - H_kv, d, qkv[i, h, d])
                                     put_kv(1, i, h - H_qo - H_kv, d + D2, qkv[i, h, d + D2])
 
-    wrap = split_rope_append_func if into_pages else split_rope_func
-    return wrap(spec, cpu_body if spec.is_cpu else gpu_body)
+    if into_pages:
+        return split_rope_append_func(spec, cpu_body if spec.is_cpu else gpu_body, scale)
+    return split_rope_func(spec, cpu_body if spec.is_cpu else gpu_body)
 
 
 def rope_q_func(spec: KernelSpec, body):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # page dtypes of fp8 pages (tvmkv.tir.fp8)
 TARGET_KINDS = ("llvm", "cuda")
 
 
@@ -21,9 +22,13 @@ class KernelSpec:
     page_size : int
         ``P``, a power of two from 1 to 256.
     dtype : str
-        Storage dtype of q/k/v/o and the pages: "float32", "float16" or "bfloat16".
+        Dtype of q/k/v/o (and of the pages unless ``kv_dtype`` says otherwise): "float32", "float16"
+        or "bfloat16".
     target_kind : str
         "llvm" (CPU) or "cuda".
+    kv_dtype : str
+        Page dtype when it differs from ``dtype``: "float8_e4m3fn" or "float8_e5m2" (fp8 pages, with
+        ``dtype`` float16 or bfloat16; :mod:`tvmkv.tir.fp8`). "" (default): the pages are ``dtype``.
     """
 
     num_qo_heads: int
@@ -32,6 +37,7 @@ class KernelSpec:
     page_size: int
     dtype: str
     target_kind: str
+    kv_dtype: str = ""
 
     def __post_init__(self):
         for name in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size"):
@@ -51,6 +57,29 @@ class KernelSpec:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
         if self.target_kind not in TARGET_KINDS:
             raise ValueError(f"target_kind={self.target_kind!r} is not supported; use one of {TARGET_KINDS}")
+        if self.kv_dtype == self.dtype:  # one spelling of "pages of dtype" (equal specs, one tag)
+            object.__setattr__(self, "kv_dtype", "")
+        if self.kv_dtype not in ("",) + FP8_DTYPES:
+            raise ValueError(
+                f"kv_dtype={self.kv_dtype!r} is not supported; use one of {FP8_DTYPES} (fp8 pages) or leave it "
+                f"empty (pages of dtype {self.dtype!r})"
+            )
+        if self.kv_dtype in FP8_DTYPES and self.dtype == "float32":
+            raise ValueError(
+                f"kv_dtype={self.kv_dtype!r} with dtype='float32': fp8 pages take 16-bit activations; use "
+                "dtype='float16' or 'bfloat16'"
+            )
+
+    @property
+    def page_dtype(self) -> str:
+        """Dtype of the pages: ``kv_dtype`` when given, else ``dtype``."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def fp8_pages(self) -> bool:
+        """The pages hold fp8 values scaled per layer and KV head (tvmkv.tir.fp8): kernels that write
+        them quantize, kernels that read them dequantize, with the ``kv_scale`` argument."""
+        return self.page_dtype in FP8_DTYPES
 
     @property
     def group(self) -> int:
@@ -69,7 +98,8 @@ class KernelSpec:
     @property
     def tag(self) -> str:
         """Readable part of artifact names, e.g. ``q32_kv8_d128_p16_float16``."""
-        return f"q{self.num_qo_heads}_kv{self.num_kv_heads}_d{self.head_dim}_p{self.page_size}_{self.dtype}"
+        tag = f"q{self.num_qo_heads}_kv{self.num_kv_heads}_d{self.head_dim}_p{self.page_size}_{self.dtype}"
+        return tag + (f"_pages_{self.page_dtype}" if self.page_dtype != self.dtype else "")
 
 
 @dataclass(frozen=True)

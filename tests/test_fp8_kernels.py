@@ -1,0 +1,327 @@
+"""fp8 pages (tvmkv.tir.fp8; docs/layout.md, "fp8 pages") kernel by kernel, on every target.
+
+The oracle is ``tvmkv.reference.fp8`` (``ml_dtypes``' conversions) with the fp64 attention of
+``tvmkv.reference.attention``: the kernels that write pages must store the same codes bit for bit,
+the kernels that read them must compute attention over the dequantized values. Two accuracy checks
+use the format itself: the error against attention over the unquantized values stays within the
+bound that follows from fp8 rounding, and a key planted in a 32k-token context still takes the
+softmax, as it does with fp16 pages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import to_dev
+
+from tvmkv.build import load_kernels
+from tvmkv.reference import attention as ref
+from tvmkv.reference import fp8 as fp8_ref
+from tvmkv.tir.spec import FP8_DTYPES, KernelSpec
+
+H_QO, H_KV, D, P = 4, 2, 64, 16
+NAN_CODE = 0x7F  # NaN in both formats (e5m2: one of its NaNs): what unused slots hold
+ROPE = (1.0, 10000.0)  # rope_scale, rope_theta
+
+
+def _spec(target, fmt, dtype="float16"):
+    return KernelSpec(H_QO, H_KV, D, P, dtype, target, fmt)
+
+
+def _codes(x, fmt):
+    return np.asarray(x).view(np.uint8)
+
+
+def _scales(rng):
+    """kv_scale [2, H_kv]: a different scale per K / V and head (not powers of two)."""
+    return (rng.uniform(0.5, 3.0, (2, H_KV)) / 448.0 * 4).astype(np.float32)
+
+
+class Table:
+    """Sequences of ``kv_lens`` slots over random, non-contiguous pages of a pool whose other slots
+    hold NaN codes (a kernel reading outside its sequence returns NaN)."""
+
+    def __init__(self, rng, kv_lens, fmt, scale, values=None):
+        npages = [-(-n // P) for n in kv_lens]
+        num_pages = sum(npages) + 3
+        perm = rng.permutation(num_pages).astype(np.int32)
+        self.page_indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+        self.page_indices = perm[: sum(npages)].copy()
+        self.last_page_len = np.array([n - (k - 1) * P if k else 0 for n, k in zip(kv_lens, npages)], np.int32)
+        self.kv_window = np.zeros((len(kv_lens), 3), np.int32)
+        shape = (num_pages, 2, H_KV, P, D)
+        if values is None:
+            values = rng.standard_normal(shape).astype(np.float32)
+        self.pages = fp8_ref.quantize_pages(values, scale, fmt)
+        used = np.zeros((num_pages, P), bool)
+        for b, n in enumerate(kv_lens):
+            ids = self.page_indices[self.page_indptr[b] : self.page_indptr[b + 1]]
+            for j in range(n):
+                used[ids[j // P], j % P] = True
+        codes = self.pages.view(np.uint8)
+        codes[np.broadcast_to(~used[:, None, None, :, None], shape)] = NAN_CODE
+        self.values = fp8_ref.dequantize_pages(self.pages, scale)  # fp64; NaN where unused
+
+    def tables(self):
+        return [self.page_indptr, self.page_indices, self.last_page_len, self.kv_window]
+
+
+def _check(o, lse, o_ref, lse_ref, tol=2e-2):
+    o = o.numpy().astype(np.float64)
+    lse = lse.numpy().astype(np.float64)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), "rows without keys differ"
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=tol, rtol=tol)
+    np.testing.assert_allclose(o, o_ref, atol=tol, rtol=tol)
+
+
+def _edges(rng, shape, fmt, scale_k):
+    """fp16 values over the whole range the format meets: normal values, zeros of both signs, values
+    that land among the subnormals, halfway cases, values beyond saturation, fp16's largest."""
+    x = (rng.standard_normal(shape) * 3).astype(np.float16)
+    flat = x.reshape(-1)
+    s = float(scale_k)
+    tiny = float(fp8_ref.subnormal_half_step(fmt)) * 2 * s
+    special = [
+        0.0,
+        -0.0,
+        tiny,
+        -tiny,
+        1.5 * tiny,
+        2.5 * tiny,
+        7.3 * tiny,
+        65504.0,
+        -65504.0,
+        fp8_ref.largest(fmt) * s * 1.05,
+    ]
+    flat[: len(special)] = np.array(special, np.float32).astype(np.float16)
+    return x
+
+
+@pytest.mark.parametrize("fmt", FP8_DTYPES)
+def test_fp8_append_stores_codes(target, fmt, rng):
+    """``append`` and ``append_qkv`` store ``quantize(x / scale)`` bit for bit (rounding to nearest
+    even, saturation, zeros and subnormals), skip negative slots, leave every other slot alone; the
+    pages' other kernels copy codes unchanged (``copy_page``, ``gather``)."""
+    spec = _spec(target, fmt)
+    lib = load_kernels(spec, rope_mode="none")
+    n = 9
+    scale = _scales(rng)
+    k = _edges(rng, (n, H_KV, D), fmt, scale[0, 0])
+    v = _edges(rng, (n, H_KV, D), fmt, scale[1, 0])
+    slot = rng.permutation(6 * P)[:n].astype(np.int32)
+    slot[4] = -1
+    before = rng.integers(0, 256, (6, 2, H_KV, P, D), dtype=np.uint8)
+    want = before.copy()
+    for i in np.flatnonzero(slot >= 0):
+        s = slot[i]
+        want[s // P, 0, :, s % P] = _codes(fp8_ref.quantize(k[i], scale[0], fmt), fmt)
+        want[s // P, 1, :, s % P] = _codes(fp8_ref.quantize(v[i], scale[1], fmt), fmt)
+    qkv = np.concatenate([np.full((n, H_QO, D), np.nan, np.float16), k, v], axis=1)
+    for name, inputs in (("append", (k, v)), ("append_qkv", (qkv,))):
+        pages = to_dev(before.view(fp8_ref.np_dtype(fmt)), target)
+        lib[name](pages, to_dev(scale, target), *[to_dev(a, target) for a in inputs], to_dev(slot, target))
+        got = pages.numpy().view(np.uint8)
+        bad = np.argwhere(got != want)
+        assert not len(bad), f"{name}: {len(bad)} codes differ, first at {bad[0].tolist()}"
+    # copies move codes: copy_page of the first 5 slots of page 1 onto page 2, gather of 3 slots
+    lib["copy_page"](pages, 1, 2, 5)
+    want[2, :, :, :5] = want[1, :, :, :5]
+    assert np.array_equal(pages.numpy().view(np.uint8), want)
+    slots = np.array([3, 2 * P + 1, 5 * P + P - 1], np.int32)
+    kd = to_dev(np.zeros((3, H_KV, D), np.uint8).view(fp8_ref.np_dtype(fmt)), target)
+    vd = to_dev(np.zeros((3, H_KV, D), np.uint8).view(fp8_ref.np_dtype(fmt)), target)
+    lib["gather"](pages, to_dev(slots, target), kd, vd)
+    assert np.array_equal(kd.numpy().view(np.uint8), want[slots // P, 0, :, slots % P])
+    assert np.array_equal(vd.numpy().view(np.uint8), want[slots // P, 1, :, slots % P])
+
+
+def test_fp8_split_rope_append_stores_rotated_codes(target, rng):
+    """``split_rope_append`` (rope mode "normal") stores the rotated key, rounded to fp16 as
+    ``split_rope`` would give it, then quantized, and the value quantized, at each slot."""
+    fmt = "float8_e4m3fn"
+    spec = _spec(target, fmt)
+    lib = load_kernels(spec, rope_mode="normal")
+    n = 7
+    scale = _scales(rng)
+    qkv = (rng.standard_normal((n, H_QO + 2 * H_KV, D)) * 2).astype(np.float16)
+    pos = rng.integers(0, 5000, n).astype(np.int32)
+    slot = rng.permutation(4 * P)[:n].astype(np.int32)
+    k = ref.rope(qkv[:, H_QO : H_QO + H_KV], pos, *ROPE).astype(np.float32).astype(np.float16)
+    before = np.zeros((4, 2, H_KV, P, D), np.uint8)
+    want = before.copy()
+    want[slot // P, 0, :, slot % P] = _codes(fp8_ref.quantize(k, scale[0], fmt), fmt)
+    want[slot // P, 1, :, slot % P] = _codes(fp8_ref.quantize(qkv[:, H_QO + H_KV :], scale[1], fmt), fmt)
+    pages = to_dev(before.view(fp8_ref.np_dtype(fmt)), target)
+    q = to_dev(np.zeros((n, H_QO, D), np.float16), target)
+    args = (to_dev(qkv, target), to_dev(pos, target), q, pages, to_dev(scale, target), to_dev(slot, target))
+    lib["split_rope_append"](*args, *ROPE)
+    got = pages.numpy().view(np.uint8)
+    # a rotated key within an fp16 rounding of a code boundary may land on the neighbouring code
+    diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+
+
+@pytest.mark.parametrize("fmt", FP8_DTYPES)
+def test_fp8_attention_reads_dequantized(target, fmt, rng):
+    """Paged prefill (causal and not, q separate or in the fused qkv), paged decode and (llvm) the split
+    decode over fp8 pages compute attention over the dequantized values (fp64 reference); the pool's
+    other slots hold NaN codes."""
+    spec = _spec(target, fmt)
+    lib = load_kernels(spec, rope_mode="none")
+    scale = _scales(rng)
+    sm_scale = 1.0 / math.sqrt(D)
+    hist, new = [0, 2 * P, 37, 5], [5, 4, 1, 9]
+    kv_lens = [h + m for h, m in zip(hist, new)]
+    tab = Table(rng, kv_lens, fmt, scale)
+    n = sum(new)
+    q = rng.standard_normal((n, H_QO, D)).astype(np.float16)
+    q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new)]).astype(np.int32)
+    trees = [np.zeros((1, 2), np.int32), np.zeros(1, np.int32), np.zeros((1, 3), np.int32), np.zeros(1, np.int32)]
+    dev_pages, dev_scale = to_dev(tab.pages, target), to_dev(scale, target)
+    tables = [to_dev(a, target) for a in tab.tables()]
+    for mask, fused in (("causal", False), ("none", False), ("causal", True)):
+        o_ref, lse_ref = ref.paged_prefill(
+            q, q_indptr, q_pos, tab.values, *tab.tables(), *trees, sm_scale, *ROPE, mask=mask
+        )
+        qin = np.concatenate([q, np.full((n, 2 * H_KV, D), np.nan, np.float16)], axis=1) if fused else q
+        o = to_dev(np.zeros_like(q), target)
+        lse = to_dev(np.zeros((n, H_QO), np.float32), target)
+        head = [to_dev(a, target) for a in (qin, q_indptr, q_pos)]
+        kernel = lib[f"paged_prefill_{mask}" + ("_qkv" if fused else "")]
+        kernel(*head, dev_pages, dev_scale, *tables, *[to_dev(a, target) for a in trees], o, lse, sm_scale, *ROPE)
+        _check(o, lse, o_ref, lse_ref)
+    # decode: one query per sequence at its last position
+    B = len(kv_lens)
+    qd = rng.standard_normal((B, H_QO, D)).astype(np.float16)
+    qd_pos = np.array(kv_lens, np.int32) - 1
+    o_ref, lse_ref = ref.paged_decode(qd, qd_pos, tab.values, *tab.tables(), sm_scale, *ROPE)
+    o = to_dev(np.zeros_like(qd), target)
+    lse = to_dev(np.zeros((B, H_QO), np.float32), target)
+    lib["paged_decode"](
+        to_dev(qd, target), to_dev(qd_pos, target), dev_pages, dev_scale, *tables, o, lse, sm_scale, *ROPE
+    )
+    _check(o, lse, o_ref, lse_ref)
+    if "paged_decode_split" in lib:  # llvm (cuda's fp8 decode has no split kernel yet)
+        S = 3
+        o_part = to_dev(np.full((S, B, H_QO, D), np.nan, np.float32), target)
+        lse_part = to_dev(np.full((S, B, H_QO), np.nan, np.float32), target)
+        args = (to_dev(qd, target), to_dev(qd_pos, target), dev_pages, dev_scale, *tables)
+        lib["paged_decode_split"](*args, o_part, lse_part, sm_scale, *ROPE, 16)
+        o = to_dev(np.zeros_like(qd), target)
+        lib["merge_splits"](o_part, lse_part, o, lse)
+        _check(o, lse, o_ref, lse_ref)
+
+
+@pytest.mark.parametrize("fmt", FP8_DTYPES)
+def test_fp8_decode_error_within_format_bound(target, fmt, rng):
+    """On N(0, 1) keys and values with per-head scales ``amax / largest`` (what calibration picks),
+    decode over fp8 pages stays within the error that fp8 rounding explains, element by element of
+    the output, against decode over the unquantized values. The bound, from the format:
+
+    * rounding to nearest moves a stored value ``x`` by at most half an ulp: ``|dx| <= u |x|`` in the
+      normal range (``u`` the unit roundoff: 2^-4 for e4m3fn, 2^-3 for e5m2) and ``a``, half the
+      subnormal step times the scale, below it; over values that are not aligned with the format's
+      grid the errors are independent, zero-mean, of variance at most ``(u^2 x^2 + a^2) / 3``;
+    * to first order the output moves by ``do = sum_j p_j dv_j + sum_j p_j (v_j - o) ds_j`` with
+      ``ds_j = sm_scale q . dk_j``, so its variance is at most ``sum_j p_j^2 (u^2 v_j^2 + a_v^2) / 3 +
+      sum_j p_j^2 (v_j - o)^2 sm_scale^2 sum_d q_d^2 (u^2 k_jd^2 + a_k^2) / 3``;
+    * the bound is 6 of those standard deviations, plus the fp16 rounding of the output
+      (``2^-11 |o|``) and fp32 accumulation (``1e-4``).
+
+    (The worst case, every rounding error aligned, is a thousand times looser on this data and says
+    nothing.) The bound must hold everywhere, and on average stay well under the outputs' rms."""
+    spec = _spec(target, fmt)
+    lib = load_kernels(spec, rope_mode="none")
+    kv_lens = [300, 1000, 33]
+    B = len(kv_lens)
+    values = rng.standard_normal((sum(-(-n // P) for n in kv_lens) + 3, 2, H_KV, P, D)).astype(np.float16)
+    amax = np.abs(values.astype(np.float32)).max(axis=(0, 3, 4))  # [2, H_kv]
+    scale = (amax / fp8_ref.largest(fmt)).astype(np.float32)
+    tab = Table(rng, kv_lens, fmt, scale, values.astype(np.float32))
+    exact = values.astype(np.float64)
+    q = rng.standard_normal((B, H_QO, D)).astype(np.float16)
+    q_pos = np.array(kv_lens, np.int32) - 1
+    sm_scale = 1.0 / math.sqrt(D)
+    o_exact, _ = ref.paged_decode(q, q_pos, exact, *tab.tables(), sm_scale, *ROPE)
+    o = to_dev(np.zeros_like(q), target)
+    lse = to_dev(np.zeros((B, H_QO), np.float32), target)
+    args = [to_dev(a, target) for a in (q, q_pos)] + [to_dev(tab.pages, target), to_dev(scale, target)]
+    lib["paged_decode"](*args, *[to_dev(a, target) for a in tab.tables()], o, lse, sm_scale, *ROPE)
+    got = o.numpy().astype(np.float64)
+    u, half_sub = fp8_ref.unit_roundoff(fmt), fp8_ref.subnormal_half_step(fmt)
+    group = H_QO // H_KV
+    worst = 0.0
+    for b, n in enumerate(kv_lens):
+        ids = tab.page_indices[tab.page_indptr[b] : tab.page_indptr[b + 1]]
+        k = np.stack([exact[ids[j // P], 0, :, j % P] for j in range(n)])  # [n, H_kv, D]
+        v = np.stack([exact[ids[j // P], 1, :, j % P] for j in range(n)])
+        for h in range(H_QO):
+            hk = h // group
+            qh = q[b, h].astype(np.float64)
+            a_k, a_v = half_sub * scale[0, hk], half_sub * scale[1, hk]
+            s = sm_scale * (k[:, hk] @ qh)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            var_s = sm_scale**2 * ((u * k[:, hk]) ** 2 + a_k**2) @ qh**2 / 3  # [n]
+            var_o = (p**2) @ ((u * v[:, hk]) ** 2 + a_v**2) / 3 + (p**2 * var_s) @ (v[:, hk] - o_exact[b, h]) ** 2
+            bound = 6 * np.sqrt(var_o) + 2.0**-11 * np.abs(o_exact[b, h]) + 1e-4
+            err = np.abs(got[b, h] - o_exact[b, h])
+            assert (err <= bound).all(), f"seq {b} head {h}: error {err.max():.4g} over the bound {bound.min():.4g}"
+            worst = max(worst, float(bound.mean() / np.sqrt((o_exact[b, h] ** 2).mean())))
+    # 6 sigma of u = 2^-4 (2^-3) relative rounding: about a third (two thirds) of the outputs' rms
+    assert worst < (0.4 if fmt == "float8_e4m3fn" else 0.8), f"the bound ({worst:.3g} of the outputs' rms) says little"
+
+
+def _needle_weight(lib, target, fmt, rng_seed):
+    """Decode of one sequence of 32768 keys over pages of ``fmt`` (None: fp16 pages) with a key
+    planted at a random position, aligned with query head 0 so that its score beats the others by
+    about 10 (natural log units); returns (attention weight of the planted key on head 0, its
+    position). The planted value is 1 in dim 0 where every other value is 0, so ``o[0]`` is that
+    weight times the stored value."""
+    rng = np.random.default_rng(rng_seed)
+    n = 32768
+    npg = n // P
+    keys = rng.standard_normal((npg, H_KV, P, D)).astype(np.float32)
+    vals = rng.standard_normal((npg, H_KV, P, D)).astype(np.float32)
+    vals[..., 0] = 0.0
+    q = rng.standard_normal((1, H_QO, D)).astype(np.float16)
+    at = int(rng.integers(0, n))
+    sm_scale = 1.0 / math.sqrt(D)
+    q0 = q[0, 0].astype(np.float64)
+    keys[at // P, 0, at % P] = 14.0 * q0 / (sm_scale * (q0 @ q0))
+    vals[at // P, 0, at % P, 0] = 1.0
+    pages = np.stack([keys, vals], axis=1).astype(np.float16)
+    page_indices = rng.permutation(npg).astype(np.int32)
+    shuffled = np.empty_like(pages)
+    shuffled[page_indices] = pages
+    if fmt is None:
+        stored, scale_args, v_at = shuffled, (), 1.0
+    else:
+        amax = np.abs(shuffled.astype(np.float32)).max(axis=(0, 3, 4))
+        scale = (amax / fp8_ref.largest(fmt)).astype(np.float32)
+        stored = fp8_ref.quantize_pages(shuffled, scale, fmt)
+        scale_args = (to_dev(scale, target),)
+        v_at = float(fp8_ref.dequantize_pages(stored, scale)[page_indices[at // P], 1, 0, at % P, 0])
+    tables = [np.array([0, npg], np.int32), page_indices, np.array([P], np.int32), np.zeros((1, 3), np.int32)]
+    o = to_dev(np.zeros((1, H_QO, D), np.float16), target)
+    lse = to_dev(np.zeros((1, H_QO), np.float32), target)
+    head = [to_dev(q, target), to_dev(np.array([n - 1], np.int32), target), to_dev(stored, target)]
+    lib["paged_decode"](*head, *scale_args, *[to_dev(a, target) for a in tables], o, lse, sm_scale, *ROPE)
+    return float(o.numpy()[0, 0, 0]) / v_at, at
+
+
+def test_fp8_needle_in_32k_context(target):
+    """A key planted at a random position of a 32k-token context keeps the softmax with fp8 pages as
+    with fp16 pages: its weight is above 1/2 (so it is the top-1 key) and within a few percent of the
+    fp16 weight (fp32 accumulation: an fp8 or fp16 accumulator over 32k terms would lose it)."""
+    fp16 = load_kernels(KernelSpec(H_QO, H_KV, D, P, "float16", target), rope_mode="none")
+    for seed in (1, 2):
+        w16, at = _needle_weight(fp16, target, None, seed)
+        assert w16 > 0.5, f"fp16 pages: planted key at {at} has weight {w16:.3f}"
+        for fmt in FP8_DTYPES:
+            w8, _ = _needle_weight(load_kernels(_spec(target, fmt), rope_mode="none"), target, fmt, seed)
+            assert w8 > 0.5 and abs(w8 - w16) < 0.05 * w16, f"{fmt}: weight {w8:.3f} vs fp16 {w16:.3f} (key at {at})"
