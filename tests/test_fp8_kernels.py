@@ -166,9 +166,9 @@ def test_fp8_split_rope_append_stores_rotated_codes(target, rng):
 
 @pytest.mark.parametrize("fmt", FP8_DTYPES)
 def test_fp8_attention_reads_dequantized(target, fmt, rng):
-    """Paged prefill (causal and not, q separate or in the fused qkv), paged decode and (llvm) the split
-    decode over fp8 pages compute attention over the dequantized values (fp64 reference); the pool's
-    other slots hold NaN codes."""
+    """Paged prefill (causal and not, q separate or in the fused qkv), paged decode and the split decode
+    (chunks merged by ``merge_splits``) over fp8 pages compute attention over the dequantized values
+    (fp64 reference); the pool's other slots hold NaN codes."""
     spec = _spec(target, fmt)
     lib = load_kernels(spec, rope_mode="none")
     scale = _scales(rng)
@@ -205,15 +205,15 @@ def test_fp8_attention_reads_dequantized(target, fmt, rng):
         to_dev(qd, target), to_dev(qd_pos, target), dev_pages, dev_scale, *tables, o, lse, sm_scale, *ROPE
     )
     _check(o, lse, o_ref, lse_ref)
-    if "paged_decode_split" in lib:  # llvm (cuda's fp8 decode has no split kernel yet)
-        S = 3
-        o_part = to_dev(np.full((S, B, H_QO, D), np.nan, np.float32), target)
-        lse_part = to_dev(np.full((S, B, H_QO), np.nan, np.float32), target)
-        args = (to_dev(qd, target), to_dev(qd_pos, target), dev_pages, dev_scale, *tables)
-        lib["paged_decode_split"](*args, o_part, lse_part, sm_scale, *ROPE, 16)
-        o = to_dev(np.zeros_like(qd), target)
-        lib["merge_splits"](o_part, lse_part, o, lse)
-        _check(o, lse, o_ref, lse_ref)
+    # the split decode: 3 chunks of 16 keys and more, merged by merge_splits
+    S = 3
+    o_part = to_dev(np.full((S, B, H_QO, D), np.nan, np.float32), target)
+    lse_part = to_dev(np.full((S, B, H_QO), np.nan, np.float32), target)
+    args = (to_dev(qd, target), to_dev(qd_pos, target), dev_pages, dev_scale, *tables)
+    lib["paged_decode_split"](*args, o_part, lse_part, sm_scale, *ROPE, 16)
+    o = to_dev(np.zeros_like(qd), target)
+    lib["merge_splits"](o_part, lse_part, o, lse)
+    _check(o, lse, o_ref, lse_ref)
 
 
 @pytest.mark.parametrize("fmt", FP8_DTYPES)
@@ -325,3 +325,49 @@ def test_fp8_needle_in_32k_context(target):
         for fmt in FP8_DTYPES:
             w8, _ = _needle_weight(load_kernels(_spec(target, fmt), rope_mode="none"), target, fmt, seed)
             assert w8 > 0.5 and abs(w8 - w16) < 0.05 * w16, f"{fmt}: weight {w8:.3f} vs fp16 {w16:.3f} (key at {at})"
+
+
+@pytest.mark.parametrize("fmt", FP8_DTYPES)
+def test_fp8_decode_layer_in_one_launch(target, fmt, rng):
+    """cuda's decode layer in one launch (``paged_decode_append``, split or not) over fp8 pages: the new
+    token's K/V land as the codes ``append`` would store, and the output is attention over the
+    dequantized pages holding them, though their slots held NaN codes when the kernel started."""
+    spec = _spec(target, fmt)
+    lib = load_kernels(spec, rope_mode="none")
+    if "paged_decode_append" not in lib:
+        assert target == "llvm"  # the CPU runs append + paged_decode
+        pytest.skip("no append-fused decode on llvm")
+    scale = _scales(rng)
+    kv_lens = [1, P, 2 * P + 3, 37, 300]  # the new token is each sequence's last slot
+    B = len(kv_lens)
+    tab = Table(rng, kv_lens, fmt, scale)
+    qkv = rng.standard_normal((B, H_QO + 2 * H_KV, D)).astype(np.float16)
+    q_pos = np.array(kv_lens, np.int32) - 1
+    last = tab.page_indices[tab.page_indptr[1:] - 1]
+    slot = (last * P + tab.last_page_len - 1).astype(np.int32)
+    want = tab.pages.view(np.uint8).copy()
+    want[slot // P, 0, :, slot % P] = _codes(fp8_ref.quantize(qkv[:, H_QO : H_QO + H_KV], scale[0], fmt), fmt)
+    want[slot // P, 1, :, slot % P] = _codes(fp8_ref.quantize(qkv[:, H_QO + H_KV :], scale[1], fmt), fmt)
+    values = fp8_ref.dequantize_pages(want.view(fp8_ref.np_dtype(fmt)), scale)
+    sm_scale = 1.0 / math.sqrt(D)
+    o_ref, lse_ref = ref.paged_decode(qkv[:, :H_QO], q_pos, values, *tab.tables(), sm_scale, *ROPE)
+    stale = want.copy()
+    stale[slot // P, :, :, slot % P] = NAN_CODE
+    tables = [to_dev(a, target) for a in tab.tables()]
+    head = (to_dev(qkv, target), to_dev(q_pos, target))
+    for split in (False, True):
+        pages = to_dev(stale.view(fp8_ref.np_dtype(fmt)), target)
+        o = to_dev(np.ones((B, H_QO, D), np.float16), target)
+        lse = to_dev(np.zeros((B, H_QO), np.float32), target)
+        args = (*head, pages, to_dev(scale, target), *tables, to_dev(slot, target))
+        if split:
+            kv_chunk = 64
+            S = -(-max(kv_lens) // kv_chunk)
+            parts = (to_dev(np.full((S, B, H_QO, D), np.nan, np.float32), target),)
+            parts += (to_dev(np.full((S, B, H_QO), np.nan, np.float32), target),)
+            counter = to_dev(np.zeros(B * H_KV * 4, np.int32), target)
+            lib["paged_decode_append_split"](*args, *parts, counter, o, lse, sm_scale, *ROPE, kv_chunk)
+        else:
+            lib["paged_decode_append"](*args, o, lse, sm_scale, *ROPE)
+        _check(o, lse, o_ref, lse_ref)
+        assert np.array_equal(pages.numpy().view(np.uint8), want)

@@ -44,11 +44,13 @@ from tvm.script import tirx as T
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
 from .decode_layout import DEFAULT_WARPS, LOAD_BYTES, MERGE_MAX_SPLITS, REG_FLOATS, WARP, decode_layout, elem_bytes
+from .fp8 import kv_scale_buffer, page_code, page_value, times_key_scale, times_value_scale
 from .spec import KernelSpec
 
 DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
 STAGE_BYTES = 96 * 1024  # cap on the staging ring per block
 CP16 = "cp.async.cg.shared.global"
+CP8 = "cp.async.ca.shared.global"  # 8-byte copies (cg takes 16 only): fp8 pages' 8-code rows
 MERGE_UNROLL = 4  # o_part loads of the in-kernel merge issued together
 
 # Named slots (see _kernel_common.slots). DSEQ, the block's sequence: its first page entry
@@ -106,8 +108,12 @@ def make_paged_decode_cuda(
 
         return build_attention(spec, source="decode", mask="none", sliding=sliding, inline_rope=inline_rope)
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    page_dtype = spec.page_dtype
     group = spec.group
     VEC, TPK, E, KPW, U, GQ, NW = (lay[k] for k in ("VEC", "TPK", "E", "KPW", "U", "GQ", "NW"))
+    # fp8 pages (tvmkv.tir.fp8): K / V registers hold codes, converted where they are used; the K scale
+    # joins q's factor, the V scale the output; the new token's K / V are quantized as append stores them
+    scale = kv_scale_buffer(spec)
     NC = E // VEC  # 16-byte loads per lane per key row
     NGB = group // GQ  # blocks per kv head
     NT = NW * WARP
@@ -128,12 +134,14 @@ def make_paged_decode_cuda(
     NB = 2 if double_buffer else 1
     # cp.async staging: each lane copies its own 16-byte chunks into its own slots of a ring of NS
     # tiles in shared memory and reads back only those, so no barrier is needed
-    NS = 1 if double_buffer else max(1, min(stages, STAGE_BYTES // (NT * U * 2 * NC * 16)))
+    CHUNK = VEC * elem_bytes(page_dtype)  # bytes of one load: 16 (fp8 pages: 8, with cp.async.ca)
+    COPY = CP16 if CHUNK == 16 else CP8
+    NS = 1 if double_buffer else max(1, min(stages, STAGE_BYTES // (NT * U * 2 * NC * CHUNK)))
     if NS < 2:
         NS = 1
     CPA = NS >= 2
     STG_SHAPE = (NS, U, 2, NC, NT, VEC) if CPA else (1, 1, 1, 1, 1, VEC)
-    STG_WORDS = math.prod(STG_SHAPE) * elem_bytes(dtype) // 4
+    STG_WORDS = max(1, math.prod(STG_SHAPE) * elem_bytes(page_dtype) // 4)
     neg_inf = float("-inf")
     shfl_xor = getattr(T.cuda, "__shfl_xor_sync")
     FULL = 0xFFFFFFFF
@@ -198,16 +206,16 @@ def make_paged_decode_cuda(
         for u in T.unroll(U):
             j = T.meta_var(slot_of(t, u, th.w, th.sub, th.seq) & PMASK)
             for c in T.unroll(NC):
-                T.ptx[CP16](
+                T.ptx[COPY](
                     th.stg.ptr_to([s, u, 0, c, th.tx, 0]),
                     pages.ptr_to([th.pid[0, u], 0, th.hk, j, th.lt * E + c * VEC]),
-                    16,
+                    CHUNK,
                 )
             for c in T.unroll(NC):
-                T.ptx[CP16](
+                T.ptx[COPY](
                     th.stg.ptr_to([s, u, 1, c, th.tx, 0]),
                     pages.ptr_to([th.pid[0, u], 1, th.hk, j, th.lt * E + c * VEC]),
-                    16,
+                    CHUNK,
                 )
         T.ptx["cp.async.commit_group"]()
         for u in T.unroll(U):
@@ -233,7 +241,7 @@ def make_paged_decode_cuda(
         for u in T.unroll(U):
             if rope:
                 for e in T.unroll(E):
-                    kr[e] = T.Cast("float32", th.kb[buf, u, e])
+                    kr[e] = page_value(spec, th.kb[buf, u, e])
                 for e in T.unroll(E):
                     acc[0] = shfl_xor(T.uint32(FULL), kr[e], HT, WARP)
                     st[ROTATE.angle] = (
@@ -250,7 +258,7 @@ def make_paged_decode_cuda(
                     if rope:
                         acc[0] = acc[0] + th.Qr[g, e] * kr[e]
                     else:
-                        acc[0] = acc[0] + th.Qr[g, e] * T.Cast("float32", th.kb[buf, u, e])
+                        acc[0] = acc[0] + th.Qr[g, e] * page_value(spec, th.kb[buf, u, e])
                 acc[0] = T.cuda.warp_reduce(acc[0], "sum", TPK)  # every lane: no divergence
                 th.S[g, u] = T.if_then_else(x_of(t, u, th.w, th.sub, seq) < seq[DSEQ.end], acc[0], T.float32(neg_inf))
         # online softmax (base 2) and O += P V
@@ -267,18 +275,18 @@ def make_paged_decode_cuda(
                 st[TILE.p] = T.exp2(th.S[g, u] - st[TILE.base])
                 th.l_sum[g] = th.l_sum[g] + st[TILE.p]
                 for e in T.unroll(E):
-                    th.O[g, e] = th.O[g, e] + st[TILE.p] * T.Cast("float32", th.vb[buf, u, e])
+                    th.O[g, e] = th.O[g, e] + st[TILE.p] * page_value(spec, th.vb[buf, u, e])
             th.m[g] = st[TILE.m_new]
 
     @macro
     def store(ch, b, h, d, value, lse_value):
         # o / lse of (sequence b, query head h, element d) of this block (split: of its chunk ch)
         if split:
-            o_part[ch, b, h, d] = value
+            o_part[ch, b, h, d] = times_value_scale(value, scale, h // group)
             if d == 0:
                 lse_part[ch, b, h] = lse_value
         else:
-            o[b, h, d] = T.Cast(dtype, value)
+            o[b, h, d] = T.Cast(dtype, times_value_scale(value, scale, h // group))
             if d == 0:
                 lse[b, h] = lse_value
 
@@ -304,14 +312,23 @@ def make_paged_decode_cuda(
         if new_slots[b] >= 0:
             for r in T.unroll(-(-D // NT)):
                 if r * NT + tx < D:
-                    pages[new_slots[b] // P, 0, hk, new_slots[b] % P, r * NT + tx] = new_k(
-                        q,
-                        b,
+                    pages[new_slots[b] // P, 0, hk, new_slots[b] % P, r * NT + tx] = page_code(
+                        spec,
+                        new_k(
+                            q,
+                            b,
+                            hk,
+                            r * NT + tx,
+                            T.Cast("float32", q_pos[b])
+                            * rope_inv_freq(rope_scale, rope_theta, (r * NT + tx) % HALF, D),
+                        ),
+                        scale,
+                        0,
                         hk,
-                        r * NT + tx,
-                        T.Cast("float32", q_pos[b]) * rope_inv_freq(rope_scale, rope_theta, (r * NT + tx) % HALF, D),
                     )
-                    pages[new_slots[b] // P, 1, hk, new_slots[b] % P, r * NT + tx] = q[b, H_qo + H_kv + hk, r * NT + tx]
+                    pages[new_slots[b] // P, 1, hk, new_slots[b] % P, r * NT + tx] = page_code(
+                        spec, q[b, H_qo + H_kv + hk, r * NT + tx], scale, 1, hk
+                    )
 
     @macro
     def take_new_kv(th, b, buf, t):
@@ -320,8 +337,10 @@ def make_paged_decode_cuda(
         for u in T.unroll(U):
             if xc(t, u, th.w, th.sub, th.seq) == th.seq[DSEQ.last]:
                 for e in T.unroll(E):
-                    th.kb[buf, u, e] = new_k(q, b, th.hk, th.lt * E + e, T.Cast("float32", q_pos[b]) * th.fr[e])
-                    th.vb[buf, u, e] = q[b, H_qo + H_kv + th.hk, th.lt * E + e]
+                    th.kb[buf, u, e] = page_code(
+                        spec, new_k(q, b, th.hk, th.lt * E + e, T.Cast("float32", q_pos[b]) * th.fr[e]), scale, 0, th.hk
+                    )
+                    th.vb[buf, u, e] = page_code(spec, q[b, H_qo + H_kv + th.hk, th.lt * E + e], scale, 1, th.hk)
 
     @macro
     def merge_chunks(grp, b, h0, tx, st, acc):
@@ -400,11 +419,11 @@ def make_paged_decode_cuda(
         # cp.async ring; allocated as float32 so kernels of different dtypes in one module declare the
         # same ``extern __shared__`` array, and viewed in the cache dtype
         stg_raw = T.alloc_buffer((STG_WORDS,), "float32", scope="shared.dyn")
-        stg = T.decl_buffer(STG_SHAPE, dtype, data=stg_raw.data, scope="shared.dyn")
+        stg = T.decl_buffer(STG_SHAPE, page_dtype, data=stg_raw.data, scope="shared.dyn")
         seq = T.alloc_buffer((len(DSEQ),), "int32", scope="local")
         pid = T.alloc_buffer((NB, U), "int32", scope="local")  # page id of each key of the tile
-        kb = T.alloc_buffer((NB, U, E), dtype, scope="local")
-        vb = T.alloc_buffer((NB, U, E), dtype, scope="local")
+        kb = T.alloc_buffer((NB, U, E), page_dtype, scope="local")
+        vb = T.alloc_buffer((NB, U, E), page_dtype, scope="local")
         Qr = T.alloc_buffer((GQ, E), "float32", scope="local")  # q * sm_scale * log2(e), rotated
         O = T.alloc_buffer((GQ, E), "float32", scope="local")
         m = T.alloc_buffer((GQ,), "float32", scope="local")
@@ -463,6 +482,7 @@ def make_paged_decode_cuda(
                 put_new_kv(b, hk, tx)
 
         # ---- q (pre-scaled, rotated once) and the running state
+        q_factor = T.meta_var(times_key_scale(sm_scale * T.float32(LOG2E), scale, hk))
         if rot_q:
             for e in T.unroll(E):
                 fr[e] = rope_inv_freq(rope_scale, rope_theta, (lt * E + e) % HALF, D)
@@ -477,15 +497,15 @@ def make_paged_decode_cuda(
                             T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
                             - T.Cast("float32", q[b, h0 + g, lt * E + e + HALF])
                             * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
-                        ) * (sm_scale * T.float32(LOG2E))
+                        ) * q_factor
                     else:
                         Qr[g, e] = (
                             T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
                             + T.Cast("float32", q[b, h0 + g, lt * E + e - HALF])
                             * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
-                        ) * (sm_scale * T.float32(LOG2E))
+                        ) * q_factor
                 else:
-                    Qr[g, e] = T.Cast("float32", q[b, h0 + g, lt * E + e]) * (sm_scale * T.float32(LOG2E))
+                    Qr[g, e] = T.Cast("float32", q[b, h0 + g, lt * E + e]) * q_factor
 
         # ---- stream the keys: tile t, lane group (w, sub) takes keys t*KB + w*KPW*U + u*KPW + sub
         if CPA:
@@ -570,4 +590,4 @@ def make_paged_decode_cuda(
         if merge:
             merge_chunks(bx // NSPLIT, b, h0, tx, st, acc)
 
-    return decode_func(spec, body, split=split, merge=merge, append=append)
+    return decode_func(spec, body, scale, split=split, merge=merge, append=append)

@@ -22,7 +22,7 @@ STAGE_COLS = 5
 
 
 def elem_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
+    return 4 if dtype == "float32" else 1 if dtype.startswith("float8") else 2
 
 
 def decode_layout(
@@ -39,11 +39,11 @@ def decode_layout(
     KPW (keys per warp), U (keys per lane group per tile), GQ (query heads per block), NW (warps),
     KB (keys per block per tile), NGB (blocks per kv head).
     """
-    if spec.fp8_pages:  # fp8 pages: the generic schedule, for now
-        return None
     D, group = spec.head_dim, spec.group
-    eb = elem_bytes(spec.dtype)
-    vec = 16 // eb
+    eb = elem_bytes(spec.page_dtype)
+    # elements per vector load of a page row: 16 bytes; fp8 pages 8 bytes (8 codes: the widest fp8
+    # vector TVM's CUDA codegen has)
+    vec = (8 if spec.fp8_pages else 16) // eb
     if D % vec:
         return None
     chunks = D // vec

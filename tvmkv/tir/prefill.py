@@ -75,11 +75,12 @@ def make_paged_prefill(
         if mask != "causal":
             raise ValueError(f"mask={mask!r} has no local-window variant; local=True needs mask='causal'")
         return build_attention(spec, source="paged", mask=mask, sliding=sliding, inline_rope=inline_rope, local=True)
-    if spec.target_kind == "cuda" and not spec.fp8_pages:  # fp8 pages: the generic schedule, for now
+    if spec.target_kind == "cuda":
         from .prefill_cuda import make_prefill_cuda, prefill_layout
         from .prefill_hopper import hopper_layout, make_prefill_hopper
 
-        if hopper_layout(spec, mask=mask, arch=arch, sliding=sliding, inline_rope=inline_rope) is not None:
+        hopper = hopper_layout(spec, mask=mask, arch=arch, sliding=sliding, inline_rope=inline_rope)
+        if hopper is not None and not spec.fp8_pages:  # (fp8 pages: the mma.sync schedule converts them)
             return make_prefill_hopper(spec, source="paged", mask=mask, arch=arch, fused_qkv=fused_qkv)
         if prefill_layout(spec, mask=mask, sliding=sliding, inline_rope=inline_rope) is not None:
             return make_prefill_cuda(spec, source="paged", mask=mask, fused_qkv=fused_qkv)

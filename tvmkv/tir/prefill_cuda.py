@@ -55,6 +55,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro, slots
 from .attention import paged_prefill_func, ragged_prefill_func
+from .fp8 import kv_scale_buffer, times_key_scale, times_value_scale
 from .spec import KernelSpec
 
 DEFAULT_WARPS = 4
@@ -186,7 +187,7 @@ def prefill_layout(
 BlockMacros = namedtuple("BlockMacros", "locate key_range softmax store")
 
 
-def block_macros(spec: KernelSpec, *, source: str, mask: str, RT: int, NW: int, BC: int) -> BlockMacros:
+def block_macros(spec: KernelSpec, *, source: str, mask: str, RT: int, NW: int, BC: int, scale=None) -> BlockMacros:
     """The TVMScript macros of a prefill block both tensor-core schedules expand (``RT`` tokens and
     ``NW`` warps a block, ``BC`` keys a tile); they read the signature's buffers by name and take the
     kernel's state as arguments:
@@ -316,7 +317,9 @@ def block_macros(spec: KernelSpec, *, source: str, mask: str, RT: int, NW: int, 
         # one reciprocal per row (a NaN l, from NaN inputs, propagates); o leaves as packed element pairs
         for h in T.unroll(2):
             lsum[h] = T.cuda.warp_reduce(lsum[h], "sum", 4)
-            rinv[h] = T.if_then_else(lsum[h] == T.float32(0), T.float32(0), T.float32(1) / lsum[h])
+            rinv[h] = T.if_then_else(
+                lsum[h] == T.float32(0), T.float32(0), times_value_scale(T.float32(1), scale, hk) / lsum[h]
+            )
         for h in T.unroll(2):
             if (w * 16 + lane // 4 + 8 * h) // group < sv[BLOCK.ntok]:
                 for dn in T.unroll(DN):
@@ -366,6 +369,11 @@ def make_prefill_cuda(
     LOGP = P.bit_length() - 1
     PMASK = P - 1
     paged = source == "paged"
+    # fp8 pages (tvmkv.tir.fp8): a K/V row is loaded (8 codes), converted to the 16-bit dtype (exact) and
+    # stored to shared memory by the thread, in place of its 16-byte cp.async; the K scale joins the
+    # score factor and the V scale the output's reciprocal
+    fp8 = paged and spec.fp8_pages
+    scale = kv_scale_buffer(spec) if paged or fused_qkv else None
     mma = MMA[dtype]
     cvt = CVT[dtype]
     NI = BC // 8  # n8 score tiles per warp
@@ -377,7 +385,7 @@ def make_prefill_cuda(
         min_blocks = DEFAULT_MIN_BLOCKS[source]
     MIN_BLOCKS = int(min_blocks or 0)  # __launch_bounds__(NT, MIN_BLOCKS): caps registers per thread
     bound_blocks = MIN_BLOCKS > 0
-    blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC)
+    blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC, scale=scale if paged else None)
 
     @macro
     def fetch_pid(th, kt):
@@ -401,7 +409,11 @@ def make_prefill_cuda(
         for i in T.unroll(KVI):
             kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
             j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
-            if paged:
+            if fp8:
+                for e in T.unroll(8):
+                    sm[k_row(st, kr), swz(kr, kc) + e] = T.Cast(dtype, pages[pid[i], 0, hk, j & PMASK, kc * 8 + e])
+                    sm[v_row(st, kr), swz(kr, kc) + e] = T.Cast(dtype, pages[pid[i], 1, hk, j & PMASK, kc * 8 + e])
+            elif paged:
                 T.ptx[CP16](
                     sm.ptr_to([k_row(st, kr), swz(kr, kc)]), pages.ptr_to([pid[i], 0, hk, j & PMASK, kc * 8]), 16
                 )
@@ -556,7 +568,7 @@ def make_prefill_cuda(
         blk.locate(bx, sv)
         if sv[BLOCK.lt] >= 0:
             blk.key_range(tx, lane, w, sv, rpos, red, pf32)
-            sl2[0] = sm_scale * T.float32(LOG2E)
+            sl2[0] = times_key_scale(sm_scale * T.float32(LOG2E), scale if paged else None, hk)
             for h in T.unroll(2):
                 m[h] = T.float32(neg_inf)
                 lsum[h] = T.float32(0)
@@ -606,5 +618,5 @@ def make_prefill_cuda(
             blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
 
     if paged:
-        return paged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)
-    return ragged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)
+        return paged_prefill_func(spec, fa_body, scale, fused_qkv=fused_qkv)
+    return ragged_prefill_func(spec, fa_body, scale, fused_qkv=fused_qkv)  # (fp8: its append quantizes)

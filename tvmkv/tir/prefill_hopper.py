@@ -63,6 +63,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro
 from .attention import paged_prefill_func, ragged_prefill_func
+from .fp8 import kv_scale_buffer
 from .prefill_cuda import BLOCK, CP16, CVT, block_macros, kv_rc, load_rc
 from .spec import KernelSpec
 
@@ -205,6 +206,8 @@ def make_prefill_hopper(
     LOGP = P.bit_length() - 1
     PMASK = P - 1
     paged = source == "paged"
+    if paged and spec.fp8_pages:
+        raise ValueError("this schedule reads 16-bit pages; paged prefill over fp8 pages takes the generic one")
     wg_s = wgmma_op(BC, dtype)
     wg_o = wgmma_op(D, dtype)
     cvt = CVT[dtype]
@@ -217,8 +220,9 @@ def make_prefill_hopper(
     KVP = BC * CPR // 128  # chunks of a K or V tile each thread of the copying warpgroup issues
     PREFETCH = ST - 2 if overlap or pingpong else ST - 1  # tiles in flight ahead of the one computed
     # ragged_prefill_causal_qkv stores the new K/V itself: the copying warpgroup, once its copies are
-    # issued, writes the block's own tokens (RT of them, kv head hk) at their slots
-    stores_kv = fused_qkv and not paged and producer
+    # issued, writes the block's own tokens (RT of them, kv head hk) at their slots (fp8 pages: the
+    # quantizing append schedule runs before it instead, tvmkv.tir.append.append_body)
+    stores_kv = fused_qkv and not paged and producer and not spec.fp8_pages
     SKV = (RT * CPR + 127) // 128  # 16-byte chunks of a K (and a V) row set per copying thread
     blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC)
     Q_OFF = 0
@@ -588,4 +592,5 @@ def make_prefill_hopper(
 
     if paged:
         return paged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)
-    return ragged_prefill_func(spec, fa_body, fused_qkv=fused_qkv, body_stores_kv=stores_kv)
+    scale = kv_scale_buffer(spec) if fused_qkv else None  # (fp8 pages: the append quantizes with it)
+    return ragged_prefill_func(spec, fa_body, scale, fused_qkv=fused_qkv, body_stores_kv=stores_kv)

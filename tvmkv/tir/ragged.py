@@ -65,7 +65,7 @@ def make_ragged_prefill(
         if mask != "causal":
             raise ValueError(f"mask={mask!r} has no local-window variant; local=True needs mask='causal'")
         return build_attention(spec, source="ragged", mask=mask, sliding=False, inline_rope=inline_rope, local=True)
-    if spec.target_kind == "cuda" and not (fused_qkv and spec.fp8_pages):  # (it stores fp8 pages: generic)
+    if spec.target_kind == "cuda":
         from .prefill_cuda import make_prefill_cuda, prefill_layout
         from .prefill_hopper import hopper_layout, make_prefill_hopper
 
