@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .tir import ROPE_MODES
 from .tir.rope_scaling import RopeScaling, kernel_variant
-from .tir.spec import KernelSpec, MlaSpec
+from .tir.spec import KernelSpec, MlaSpec, dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class CacheConfig:
     @property
     def itemsize(self) -> int:
         """Bytes of one element of the cache's dtype (q/k/v, pages, outputs)."""
-        return 4 if self.dtype == "float32" else 2
+        return dtype_bytes(self.dtype)
 
     @property
     def page_dtype(self) -> str:
@@ -207,7 +207,7 @@ class CacheConfig:
     @property
     def page_itemsize(self) -> int:
         """Bytes of one page element: 1 for fp8 pages, else ``itemsize``."""
-        return 1 if self.fp8_pages else self.itemsize
+        return dtype_bytes(self.page_dtype)
 
     @property
     def page_bytes(self) -> int:

@@ -20,7 +20,7 @@ from tvm.script.parser._core import scan_macro, utils
 from tvm.tirx.script.parser.entry import TIRMacro
 
 from .decode_layout import WARP  # noqa: F401 (lanes per warp; defined in that TVM-free module)
-from .spec import KernelSpec
+from .spec import KernelSpec, dtype_bytes
 
 NOALIAS = "tirx.noalias"  # the key TVM 0.27 reads; the older "tir.noalias" is ignored silently
 LOG2E = math.log2(math.e)  # the kernels work in base 2: exp(x) = 2^(x log2(e))
@@ -93,7 +93,7 @@ def copy_vector(dtype: str, extent: int) -> int:
     """Elements per thread of the data-movement kernels' innermost loop on cuda: 8 bytes' worth (4 x
     16-bit, 2 x fp32) where ``extent`` divides evenly, else 1. One vector load / store per thread
     instead of several 2- or 4-byte ones, and ``heads_per_block`` packs more heads into a block."""
-    v = 8 // (2 if dtype in ("float16", "bfloat16") else 4)
+    v = 8 // dtype_bytes(dtype)
     return v if extent % v == 0 else 1
 
 

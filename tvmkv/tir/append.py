@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro, qkv_view
-from .fp8 import kv_scale_buffer, page_code, with_kv_scale
+from .fp8 import kv_scale_buffer, page_code, store_lanes, with_kv_scale
 from .spec import KernelSpec
 
 
@@ -84,8 +84,7 @@ def append_body(spec: KernelSpec, scale=None):
     V = copy_vector(spec.dtype, D)  # elements a cuda thread moves (one vector access)
     HY = heads_per_block(H, D // V)
     HB = (H + HY - 1) // HY  # head chunks (blockIdx.y)
-    # fp8 pages: each element quantized on its own (no vector conversions on cuda)
-    lanes = T.serial if spec.fp8_pages and not spec.is_cpu else T.vectorized
+    lanes = store_lanes(spec)
 
     def code(x, kv, h):
         return page_code(spec, x, scale, kv, h)

@@ -43,9 +43,9 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
-from .decode_layout import DEFAULT_WARPS, LOAD_BYTES, MERGE_MAX_SPLITS, REG_FLOATS, WARP, decode_layout, elem_bytes
+from .decode_layout import DEFAULT_WARPS, LOAD_BYTES, MERGE_MAX_SPLITS, REG_FLOATS, WARP, decode_layout
 from .fp8 import kv_scale_buffer, page_code, page_value, times_key_scale, times_value_scale
-from .spec import KernelSpec
+from .spec import KernelSpec, dtype_bytes
 
 DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
 STAGE_BYTES = 96 * 1024  # cap on the staging ring per block
@@ -114,7 +114,7 @@ def make_paged_decode_cuda(
     # fp8 pages (tvmkv.tir.fp8): K / V registers hold codes, converted where they are used; the K scale
     # joins q's factor, the V scale the output; the new token's K / V are quantized as append stores them
     scale = kv_scale_buffer(spec)
-    NC = E // VEC  # 16-byte loads per lane per key row
+    NC = E // VEC  # vector loads (16 bytes; fp8 pages 8) per lane per key row
     NGB = group // GQ  # blocks per kv head
     NT = NW * WARP
     KB = NW * KPW * U  # keys per block per tile
@@ -134,14 +134,14 @@ def make_paged_decode_cuda(
     NB = 2 if double_buffer else 1
     # cp.async staging: each lane copies its own 16-byte chunks into its own slots of a ring of NS
     # tiles in shared memory and reads back only those, so no barrier is needed
-    CHUNK = VEC * elem_bytes(page_dtype)  # bytes of one load: 16 (fp8 pages: 8, with cp.async.ca)
+    CHUNK = VEC * dtype_bytes(page_dtype)  # bytes of one load: 16 (fp8 pages: 8, with cp.async.ca)
     COPY = CP16 if CHUNK == 16 else CP8
     NS = 1 if double_buffer else max(1, min(stages, STAGE_BYTES // (NT * U * 2 * NC * CHUNK)))
     if NS < 2:
         NS = 1
     CPA = NS >= 2
     STG_SHAPE = (NS, U, 2, NC, NT, VEC) if CPA else (1, 1, 1, 1, 1, VEC)
-    STG_WORDS = max(1, math.prod(STG_SHAPE) * elem_bytes(page_dtype) // 4)
+    STG_WORDS = max(1, math.prod(STG_SHAPE) * dtype_bytes(page_dtype) // 4)
     neg_inf = float("-inf")
     shfl_xor = getattr(T.cuda, "__shfl_xor_sync")
     FULL = 0xFFFFFFFF

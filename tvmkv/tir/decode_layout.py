@@ -7,22 +7,18 @@ from the same layout."""
 
 from __future__ import annotations
 
-from .spec import KernelSpec
+from .spec import KernelSpec, dtype_bytes
 
 WARP = 32  # lanes per warp (the kernels take it from here through _kernel_common)
 DEFAULT_WARPS = 8
 REG_FLOATS = 32  # per-lane q (and O) floats: GQ * E <= REG_FLOATS
-LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * elem_bytes ~ LOAD_BYTES
+LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * dtype_bytes ~ LOAD_BYTES
 SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
 
 MERGE_MAX_SPLITS = 64  # most chunks paged_decode_split_merge merges in-kernel (more: split + merge_splits)
 # ints per sequence in plan_decode's stage (tvmkv.tir.plan_ops): row, kv length before the step, first
 # page new to the device table, where its new pages start, page_indptr
 STAGE_COLS = 5
-
-
-def elem_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 1 if dtype.startswith("float8") else 2
 
 
 def decode_layout(
@@ -40,7 +36,7 @@ def decode_layout(
     KB (keys per block per tile), NGB (blocks per kv head).
     """
     D, group = spec.head_dim, spec.group
-    eb = elem_bytes(spec.page_dtype)
+    eb = dtype_bytes(spec.page_dtype)
     # elements per vector load of a page row: 16 bytes; fp8 pages 8 bytes (8 codes: the widest fp8
     # vector TVM's CUDA codegen has)
     vec = (8 if spec.fp8_pages else 16) // eb

@@ -71,6 +71,13 @@ def dequantize(code, fmt: str, cpu: bool):
     return T.if_then_else(u >= T.uint32(0x80), -mag, mag)
 
 
+def store_lanes(spec: KernelSpec, quantizes: bool = True):
+    """The loop kind of a data-movement kernel's innermost loop that stores into the pages:
+    ``T.vectorized``, but ``T.serial`` where it quantizes on cuda (TVM has no vector conversions to
+    fp8 there; each element is converted on its own)."""
+    return T.serial if quantizes and spec.fp8_pages and not spec.is_cpu else T.vectorized
+
+
 def kv_scale_buffer(spec: KernelSpec):
     """The ``kv_scale [2, H_kv] float32`` buffer a kernel of ``spec`` reads (None without fp8 pages)."""
     if not spec.fp8_pages:

@@ -67,7 +67,7 @@ from .mla_layout import (
 )
 from .prefill_cuda import CVT as RDV_CVT
 from .prefill_cuda import lane_kmajor_b, lane_rowmajor16, load_rc, tile_start
-from .spec import MlaSpec
+from .spec import MlaSpec, dtype_bytes
 
 NEG_INF = float("-inf")
 CPU_VL = 8  # vector lanes of the CPU dot products (D is a multiple of 16)
@@ -807,7 +807,7 @@ def make_mla_attention(
     NBH = H // HB  # blocks per query row
     NT = NW * WARP
     KS = D + KPAD  # row stride of the shared latent tile
-    ebytes = 4 if dtype == "float32" else 2
+    ebytes = dtype_bytes(dtype)
     TILE_WORDS = TK * KS * ebytes // 4
     NS = 2 if (2 * TILE_WORDS + HB * D) * 4 <= SMEM_BYTES else 1  # tile stages (2: double buffered)
     NDV = (Dv + WARP - 1) // WARP  # output elements per lane

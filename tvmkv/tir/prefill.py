@@ -79,8 +79,8 @@ def make_paged_prefill(
         from .prefill_cuda import make_prefill_cuda, prefill_layout
         from .prefill_hopper import hopper_layout, make_prefill_hopper
 
-        hopper = hopper_layout(spec, mask=mask, arch=arch, sliding=sliding, inline_rope=inline_rope)
-        if hopper is not None and not spec.fp8_pages:  # (fp8 pages: the mma.sync schedule converts them)
+        hopper = not spec.fp8_pages  # (fp8 pages: the mma.sync schedule converts them)
+        if hopper and hopper_layout(spec, mask=mask, arch=arch, sliding=sliding, inline_rope=inline_rope) is not None:
             return make_prefill_hopper(spec, source="paged", mask=mask, arch=arch, fused_qkv=fused_qkv)
         if prefill_layout(spec, mask=mask, sliding=sliding, inline_rope=inline_rope) is not None:
             return make_prefill_cuda(spec, source="paged", mask=mask, fused_qkv=fused_qkv)

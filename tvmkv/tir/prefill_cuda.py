@@ -373,7 +373,8 @@ def make_prefill_cuda(
     # stored to shared memory by the thread, in place of its 16-byte cp.async; the K scale joins the
     # score factor and the V scale the output's reciprocal
     fp8 = paged and spec.fp8_pages
-    scale = kv_scale_buffer(spec) if paged or fused_qkv else None
+    scale = kv_scale_buffer(spec) if paged or fused_qkv else None  # (ragged: its append quantizes with it)
+    read_scale = scale if paged else None  # the pages this kernel reads
     mma = MMA[dtype]
     cvt = CVT[dtype]
     NI = BC // 8  # n8 score tiles per warp
@@ -385,7 +386,7 @@ def make_prefill_cuda(
         min_blocks = DEFAULT_MIN_BLOCKS[source]
     MIN_BLOCKS = int(min_blocks or 0)  # __launch_bounds__(NT, MIN_BLOCKS): caps registers per thread
     bound_blocks = MIN_BLOCKS > 0
-    blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC, scale=scale if paged else None)
+    blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC, scale=read_scale)
 
     @macro
     def fetch_pid(th, kt):
@@ -568,7 +569,7 @@ def make_prefill_cuda(
         blk.locate(bx, sv)
         if sv[BLOCK.lt] >= 0:
             blk.key_range(tx, lane, w, sv, rpos, red, pf32)
-            sl2[0] = times_key_scale(sm_scale * T.float32(LOG2E), scale if paged else None, hk)
+            sl2[0] = times_key_scale(sm_scale * T.float32(LOG2E), read_scale, hk)
             for h in T.unroll(2):
                 m[h] = T.float32(neg_inf)
                 lsum[h] = T.float32(0)
@@ -619,4 +620,4 @@ def make_prefill_cuda(
 
     if paged:
         return paged_prefill_func(spec, fa_body, scale, fused_qkv=fused_qkv)
-    return ragged_prefill_func(spec, fa_body, scale, fused_qkv=fused_qkv)  # (fp8: its append quantizes)
+    return ragged_prefill_func(spec, fa_body, scale, fused_qkv=fused_qkv)

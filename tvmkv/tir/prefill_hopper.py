@@ -207,7 +207,9 @@ def make_prefill_hopper(
     PMASK = P - 1
     paged = source == "paged"
     if paged and spec.fp8_pages:
-        raise ValueError("this schedule reads 16-bit pages; paged prefill over fp8 pages takes the generic one")
+        raise ValueError(
+            "this schedule reads 16-bit pages; paged prefill over fp8 pages takes the mma.sync one (prefill_cuda)"
+        )
     wg_s = wgmma_op(BC, dtype)
     wg_o = wgmma_op(D, dtype)
     cvt = CVT[dtype]

@@ -21,7 +21,7 @@ import math
 from tvm.script import tirx as T
 
 from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro, rope_inv_freq
-from .fp8 import kv_scale_buffer, page_code, with_kv_scale
+from .fp8 import kv_scale_buffer, page_code, store_lanes, with_kv_scale
 from .rope_scaling import RopeScaling
 from .spec import KernelSpec
 
@@ -358,7 +358,7 @@ def make_split_rope(
     HB = (H + HY - 1) // HY
 
     scale = kv_scale_buffer(spec) if into_pages else None  # fp8 pages: stored quantized
-    lanes = T.serial if scale is not None and not spec.is_cpu else T.vectorized  # (no fp8 vector converts)
+    lanes = store_lanes(spec, quantizes=into_pages)
 
     @macro
     def put_kv(kv, i, hk, d, value):

@@ -9,6 +9,11 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # page dtypes of fp8 pages (tvmkv
 TARGET_KINDS = ("llvm", "cuda")
 
 
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` (a tvmkv activation or page dtype)."""
+    return 4 if dtype == "float32" else 1 if dtype in FP8_DTYPES else 2
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """Static shape parameters of one kernel set. Runtime sizes (tokens, pages, batch) stay symbolic.
