@@ -15,6 +15,35 @@ import numpy as np
 H_QO, H_KV, D, P, DTYPE = 32, 8, 128, 16, "float16"
 
 
+def api_cache(B: int, hist: int, n: int, target: str = "cuda", **options):
+    """A one-layer ``PagedAttentionKVCache`` of this shape whose ``B`` sequences hold ``hist`` tokens each
+    (reserved through ``begin_forward`` / ``end_forward``, no attention call) and a forward of ``n`` new
+    tokens each open: what the benchmarks that go through the public API time. ``options``: more
+    constructor arguments (``kv_dtype``, ...)."""
+    from tvmkv import PagedAttentionKVCache
+
+    cache = PagedAttentionKVCache(
+        1,
+        H_QO,
+        H_KV,
+        D,
+        page_size=P,
+        max_batch_size=max(B, 1),
+        max_total_seq_len=B * (hist + n + 2 * P),
+        prefill_chunk_size=max(B * n, hist, 16),
+        dtype=DTYPE,
+        target=target,
+        **options,
+    )
+    for s in range(B):
+        cache.add_sequence(s)
+        if hist:
+            cache.begin_forward([s], [hist])
+            cache.end_forward()
+    cache.begin_forward(list(range(B)), [n] * B)
+    return cache
+
+
 def make_case(kind, B, n, hist, rng):
     """Pages with a shuffled page table, the layout arrays, q and contiguous K/V (numpy fp16)."""
     L = hist + n if kind == "prefill" else hist

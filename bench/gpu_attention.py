@@ -48,6 +48,7 @@ from _attention_cases import (
     H_QO,
     D,
     P,
+    api_cache,
     flops_and_bytes,
     gpu_meta,
     label,
@@ -73,31 +74,12 @@ def tvmkv_full_cache_run(c):
     """tvmkv through ``PagedAttentionKVCache.attention_with_fused_qkv`` (split + append + attention)."""
     import tvm
 
-    from tvmkv import PagedAttentionKVCache
-
     B, n, hist = c["B"], c["n"], c["hist"] if c["kind"] == "prefill" else c["L"]
-    cache = PagedAttentionKVCache(
-        1,
-        H_QO,
-        H_KV,
-        D,
-        page_size=P,
-        max_batch_size=max(B, 1),
-        max_total_seq_len=B * (hist + n + 2 * P),
-        prefill_chunk_size=max(B * n, hist, 16),
-        dtype=DTYPE,
-        target="cuda",
-    )
-    for s in range(B):
-        cache.add_sequence(s)
-        if hist:
-            cache.begin_forward([s], [hist])
-            cache.end_forward()
+    cache = api_cache(B, hist, n)
     dev = tvm.cuda(0)
     rng = np.random.default_rng(1)
     qkv = tvm.runtime.tensor(rng.uniform(-1, 1, (B * n, H_QO + 2 * H_KV, D)).astype(DTYPE), dev)
     out = tvm.runtime.empty((B * n, H_QO, D), DTYPE, dev)
-    cache.begin_forward(list(range(B)), [n] * B)
     return (lambda: cache.attention_with_fused_qkv(0, qkv, out=out)), cache
 
 

@@ -31,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from _attention_cases import DTYPE, H_KV, H_QO, D, P
+from _attention_cases import DTYPE, H_KV, H_QO, D, P, api_cache
 from _common import CudaTimer
 
 CASES = [(1, 1024), (32, 1024), (64, 4096), (128, 4096)]
@@ -59,26 +59,7 @@ def host_time(fn, calls: int = 200, rounds: int = 15) -> float:
 
 def decode_cache(B: int, L: int):
     """A one-layer cuda cache with ``B`` sequences of ``L`` tokens and a decode step of all of them open."""
-    from tvmkv import PagedAttentionKVCache
-
-    cache = PagedAttentionKVCache(
-        1,
-        H_QO,
-        H_KV,
-        D,
-        page_size=P,
-        max_batch_size=B,
-        max_total_seq_len=B * (L + 2 * P),
-        prefill_chunk_size=max(B, L, 16),
-        dtype=DTYPE,
-        target="cuda",
-    )
-    for s in range(B):
-        cache.add_sequence(s)
-        cache.begin_forward([s], [L])
-        cache.end_forward()
-    cache.begin_forward(list(range(B)), [1] * B)
-    return cache
+    return api_cache(B, L, 1)
 
 
 def sdpa(B: int, L: int):

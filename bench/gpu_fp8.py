@@ -24,39 +24,12 @@ import json
 import sys
 from pathlib import Path
 
-from _attention_cases import DTYPE, H_KV, H_QO, D, P
+from _attention_cases import H_KV, H_QO, D, api_cache
 from _common import CudaTimer
 
 DECODE = [(32, 1024), (64, 4096), (128, 4096), (256, 2048)]
 PREFILL = [(1, 0, 4096), (8, 0, 512), (4, 2048, 1024)]  # sequences, history, new tokens each
 PAGES = {"fp16": "", "fp8 e4m3": "float8_e4m3fn"}
-
-
-def _cache(kv_dtype: str, B: int, L: int, new: int):
-    """A one-layer cuda cache with ``B`` sequences of ``L`` tokens of history and a forward of ``new``
-    tokens each open."""
-    from tvmkv import PagedAttentionKVCache
-
-    cache = PagedAttentionKVCache(
-        1,
-        H_QO,
-        H_KV,
-        D,
-        page_size=P,
-        max_batch_size=B,
-        max_total_seq_len=B * (L + new + 2 * P),
-        prefill_chunk_size=max(B * new, L, 16),
-        dtype=DTYPE,
-        kv_dtype=kv_dtype,
-        target="cuda",
-    )
-    for s in range(B):
-        cache.add_sequence(s)
-        if L:
-            cache.begin_forward([s], [L])
-            cache.end_forward()
-    cache.begin_forward(list(range(B)), [new] * B)
-    return cache
 
 
 def _sdpa(B: int, L: int, n: int):
@@ -76,7 +49,7 @@ def _row(timer, case: str, B: int, L: int, new: int, copy_gbs: float) -> dict:
 
     row: dict = {"case": case}
     for name, kv_dtype in PAGES.items():
-        cache = _cache(kv_dtype, B, L, new)
+        cache = api_cache(B, L, new, kv_dtype=kv_dtype)
         qkv = torch.rand(B * new, H_QO + 2 * H_KV, D, device="cuda", dtype=torch.float16)
         out = torch.empty(B * new, H_QO, D, device="cuda", dtype=torch.float16)
 
