@@ -4,7 +4,8 @@ The oracle is ``CacheModel`` storing each token's K/V quantized and back with ``
 (``tvmkv.reference.fp8``) under the cache's scales: prefill (without and with history), decode,
 fork, pop, swap; ``debug_get_kv`` returns exactly those dequantized values. Then the scales' API
 (validation, nothing changed by a refused call), sizing at one byte per element, and the features
-that refuse fp8 pages with a clear error.
+that refuse fp8 pages with a clear error; checkpoints and transfers carrying the scales; calibration
+(``calibrate=N``) against scales and re-encodings NumPy computes.
 """
 
 from __future__ import annotations
@@ -151,25 +152,178 @@ def test_fp8_pages_take_one_byte_per_element():
     assert 1.9 < sized[1] / sized[0] < 2.1
 
 
-def test_fp8_features_without_fp8_support_refuse_clearly(rng):
-    """Foreign layouts and TVM's checkpoint format hold 16-bit K/V: refused, naming what to use; a
-    transfer between fp8 caches needs equal scales."""
-    from tvmkv.runtime import checkpoint, interop, transfer
+def _prefill(cache, rng, seq_id, n, amp=1.0, layers=range(L)):
+    """Append ``n`` tokens of N(0, amp^2) q/k/v to ``seq_id`` (every layer); the qkv of each layer."""
+    cache.begin_forward([seq_id], [n])
+    qkvs = [(rng.standard_normal((n, HQ + 2 * HKV, D)) * amp).astype(np.float16) for _ in layers]
+    for layer, qkv in zip(layers, qkvs):
+        cache.attention_with_fused_qkv(layer, qkv)
+    cache.end_forward()
+    return qkvs
+
+
+def _requantized(values, to_scales, fmt):
+    """``values`` (float32 K or V ``[n, H_kv, D]``, already fp8 values times a scale) stored again under
+    ``to_scales [H_kv]``: the reference of a re-encoding."""
+    return fp8_ref.dequantize(fp8_ref.quantize(values, to_scales, fmt), to_scales)
+
+
+def test_fp8_refusals_name_what_to_use(rng):
+    """Foreign layouts hold 16-bit K/V: refused, naming what to use; caches of another page dtype refuse
+    each other's sequences."""
+    from tvmkv.runtime import interop, transfer
 
     cache = _cache("llvm", "float8_e4m3fn")
     cache.add_sequence(0)
-    cache.begin_forward([0], [5])
-    for layer in range(L):
-        cache.attention_with_fused_qkv(layer, rng.standard_normal((5, HQ + 2 * HKV, D)).astype(np.float16))
-    cache.end_forward()
+    _prefill(cache, rng, 0, 5)
     with pytest.raises(NotImplementedError, match="debug_get_kv"):
         interop.export_sequence(cache, 0, "nhd")
-    with pytest.raises(NotImplementedError, match="checkpoints of fp8 pages"):
-        checkpoint.export_checkpoint(cache, 0)
-    other = _cache("llvm", "float8_e4m3fn")
-    other.set_kv_scales(1, 0.5, 0.5)
-    with pytest.raises(ValueError, match="scales differ at layer 1"):
-        transfer.check_compatible(cache, other)
     with pytest.raises(ValueError, match="kv_dtype"):
         transfer.check_compatible(cache, _cache("llvm", "float8_e5m2"))
-    transfer.check_compatible(cache, _cache("llvm", "float8_e4m3fn"))  # same scales: allowed
+
+
+@pytest.mark.parametrize("fmt", FP8_DTYPES)
+def test_fp8_checkpoints_and_transfers_carry_the_scales(fmt, rng):
+    """A checkpoint of fp8 pages holds the codes and the scales they were stored under: a cache holding no
+    token takes those scales and the codes as they are (restored exactly); one holding tokens keeps its
+    scales and re-encodes the codes (one more rounding, as the reference computes it); a transfer between
+    caches of other scales re-encodes the same way. A 16-bit checkpoint does not import into fp8 pages."""
+    from tvmkv.runtime import checkpoint, transfer
+
+    s_a = rng.uniform(0.004, 0.03, (L, 2, HKV)).astype(np.float32)
+    a = _cache("llvm", fmt, kv_scales=s_a)
+    a.add_sequence(0)
+    _prefill(a, rng, 0, 37)
+    ka, va = a.debug_get_kv(0)
+    ckpt = checkpoint.export_checkpoint(a, 0)
+    meta = __import__("json").loads(ckpt.metadata)
+    assert meta["kv_dtype"] == fmt and all(g["dtype"] == fmt for g in meta["groups"])
+    assert np.array_equal(np.array([g["kv_scale"] for g in meta["groups"]], np.float32), s_a)
+    assert ckpt.groups[0].dtype == fp8_ref.np_dtype(fmt) and ckpt.groups[0].shape == (1, 3, 2, HKV, P, D)
+    assert checkpoint.layout_hash(a) != checkpoint.layout_hash(_cache("llvm", ""))
+
+    fresh = _cache("llvm", fmt)  # holds no token: takes the checkpoint's scales, codes unchanged
+    checkpoint.import_checkpoint(fresh, 5, ckpt)
+    assert np.array_equal(np.stack([fresh.kv_scales(layer) for layer in range(L)]), s_a)
+    k, v = fresh.debug_get_kv(5)
+    assert np.array_equal(k, ka) and np.array_equal(v, va)
+
+    s_b = rng.uniform(0.004, 0.03, (L, 2, HKV)).astype(np.float32)
+    for receive in ("checkpoint", "transfer"):
+        b = _cache("llvm", fmt, kv_scales=s_b)
+        b.add_sequence(9)
+        _prefill(b, rng, 9, 3)  # holds tokens: keeps its scales
+        if receive == "checkpoint":
+            checkpoint.import_checkpoint(b, 5, ckpt)
+        else:
+            transfer.move_sequence(a, 0, b, 5)
+        assert np.array_equal(np.stack([b.kv_scales(layer) for layer in range(L)]), s_b)
+        k, v = b.debug_get_kv(5)
+        for layer in range(L):
+            np.testing.assert_allclose(k[layer], _requantized(ka[layer], s_b[layer, 0], fmt), rtol=1e-6, atol=0)
+            np.testing.assert_allclose(v[layer], _requantized(va[layer], s_b[layer, 1], fmt), rtol=1e-6, atol=0)
+        b.check_integrity()
+
+    bad = meta.copy()
+    bad["groups"] = [dict(g, kv_scale=[[0.0] * HKV, [1.0] * HKV]) for g in meta["groups"]]
+    with pytest.raises(ValueError, match="kv_scale"):
+        checkpoint.prepare_import(_cache("llvm", fmt), 1, __import__("json").dumps(bad))
+    plain = _cache("llvm", "")
+    plain.add_sequence(0)
+    _prefill(plain, rng, 0, 4)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        checkpoint.import_checkpoint(_cache("llvm", fmt), 1, checkpoint.export_checkpoint(plain, 0))
+
+
+@pytest.mark.parametrize("fmt", FP8_DTYPES)
+def test_fp8_calibration_learns_the_scales_from_the_first_tokens(target, fmt, rng):
+    """``calibrate=N``: each layer's scales become ``2 max|x| / largest`` over the first N tokens'
+    K/V per head (NumPy computes the expected value); a forward that raises them re-encodes the codes
+    stored before (a swapped-out sequence's too, when it comes back); after N tokens they stay fixed and
+    larger values saturate; attention reads the re-encoded values (NumPy attention over them)."""
+    cache = _cache(target, fmt, calibrate=60)
+    assert cache.calibrating
+    largest = fp8_ref.largest(fmt)
+
+    def amax(qkvs, kv):  # [L, H_kv] of K (kv 0) or V (1) of each layer's qkv
+        lo = HQ + kv * HKV
+        return np.stack([np.abs(q[:, lo : lo + HKV].astype(np.float32)).max(axis=(0, 2)) for q in qkvs])
+
+    def scales():
+        return np.stack([cache.kv_scales(layer) for layer in range(L)])
+
+    for s in (0, 1):
+        cache.add_sequence(s)
+    x1 = _prefill(cache, rng, 0, 20, amp=1.0)
+    s1 = np.stack([amax(x1, 0), amax(x1, 1)], axis=1) * 2 / largest  # [L, 2, H_kv]
+    np.testing.assert_allclose(scales(), s1, rtol=1e-6)
+    s1 = scales()
+    cache.swap_out([0])
+    cache.begin_forward([1], [30])
+    with pytest.raises(ValueError, match="calibrates the fp8 scales"):
+        cache.graph_key()
+    x2 = [(rng.standard_normal((30, HQ + 2 * HKV, D)) * 3).astype(np.float16) for _ in range(L)]
+    for layer in range(L):
+        cache.attention_with_fused_qkv(layer, x2[layer])
+    cache.end_forward()
+    s2 = np.maximum(s1, np.stack([amax(x2, 0), amax(x2, 1)], axis=1) * 2 / largest)
+    np.testing.assert_allclose(scales(), s2, rtol=1e-6)
+    s2 = scales()
+    assert (s2 > s1).any() and cache.calibrating  # 50 of 60 tokens
+    cache.swap_in([0])
+    k, v = cache.debug_get_kv(0)
+    for layer in range(L):  # stored under s1, re-encoded under s2
+        for kv, got in ((0, k), (1, v)):
+            lo = HQ + kv * HKV
+            first = fp8_ref.dequantize(fp8_ref.quantize(x1[layer][:, lo : lo + HKV], s1[layer, kv], fmt), s1[layer, kv])
+            want = _requantized(first.astype(np.float32), s2[layer, kv], fmt)
+            np.testing.assert_allclose(got[layer], want, rtol=1e-6, atol=0)
+    _prefill(cache, rng, 1, 11, amp=0.5)  # 61 tokens: calibration ends with this forward
+    assert not cache.calibrating
+    np.testing.assert_allclose(scales(), s2, rtol=0)
+    cache.begin_forward([0], [1])
+    qkv = (rng.standard_normal((1, HQ + 2 * HKV, D)) * 1e3).astype(np.float16)  # beyond the range: saturates
+    o = np.asarray(cache.attention_with_fused_qkv(0, qkv), np.float64)
+    cache.end_forward()
+    assert np.array_equal(scales(), s2)
+    k, v = cache.debug_get_kv(0)
+    last = np.abs(k[0, -1]) / s2[0, 0][:, None]
+    assert np.allclose(last.max(axis=1), largest, rtol=1e-6)  # each head's largest |code| saturated
+    # the forward's attention over the stored (re-encoded, saturated) K/V, in NumPy
+    q = qkv[0, :HQ].astype(np.float64)
+    g = HQ // HKV
+    for h in range(HQ):
+        scores = k[0, :, h // g].astype(np.float64) @ q[h] / np.sqrt(D)
+        p = np.exp(scores - scores.max())
+        want = (p / p.sum()) @ v[0, :, h // g].astype(np.float64)
+        np.testing.assert_allclose(o[0, h], want, atol=2e-2 * np.abs(want).max() + 1e-3, rtol=2e-2)
+    cache.check_integrity()
+
+
+def test_fp8_calibration_is_validated_and_refusals_change_nothing(rng):
+    for kw, err, match in (
+        (dict(calibrate=8, kv_scales=np.ones((2, HKV))), ValueError, "not both"),
+        (dict(calibrate=-1), ValueError, "calibrate=-1"),
+        (dict(calibrate="many"), TypeError, "calibrate"),
+    ):
+        with pytest.raises(err, match=match):
+            _cache("llvm", "float8_e4m3fn", **kw)
+    with pytest.raises(ValueError, match="scales belong to fp8 pages"):
+        _cache("llvm", "", calibrate=8)
+    cache = _cache("llvm", "float8_e4m3fn", calibrate=16)
+    cache.set_kv_scales(1, 0.25, 0.5)  # a layer given scales is not calibrated
+    cache.add_sequence(0)
+    cache.begin_forward([0], [4])
+    qkv = rng.standard_normal((4, HQ + 2 * HKV, D)).astype(np.float16)
+    bad = qkv.copy()
+    bad[2, HQ + HKV + 1, 7] = np.inf  # V of KV head 1
+    with pytest.raises(ValueError, match="V of KV head 1 holds non-finite"):
+        cache.attention_with_fused_qkv(0, bad)
+    assert np.array_equal(cache.kv_scales(0), np.ones((2, HKV), np.float32))  # unchanged
+    for layer in range(L):
+        cache.attention_with_fused_qkv(layer, qkv)
+    cache.end_forward()
+    assert np.array_equal(cache.kv_scales(1), [[0.25, 0.25], [0.5, 0.5]])
+    want = np.abs(qkv[:, HQ:].astype(np.float32)).reshape(4, 2, HKV, D).max(axis=(0, 3)) * 2 / 448
+    np.testing.assert_allclose(cache.kv_scales(0), want, rtol=1e-6)
+    assert cache.calibrating

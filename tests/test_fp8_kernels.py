@@ -138,6 +138,32 @@ def test_fp8_append_stores_codes(target, fmt, rng):
     assert np.array_equal(vd.numpy().view(np.uint8), want[slots // P, 1, :, slots % P])
 
 
+@pytest.mark.parametrize("fmt", FP8_DTYPES)
+def test_fp8_requantize_pages_re_encodes_listed_pages(target, fmt, rng):
+    """``requantize_pages`` turns each code of the listed pages into ``quantize(value * from / to)``
+    bit for bit (to larger and to smaller scales: rounding, saturation, subnormals), leaves every
+    other page alone, and gives every code back under equal scales (NaN codes aside)."""
+    lib = load_kernels(_spec(target, fmt), rope_mode="none")
+    frm = _scales(rng)
+    to = (frm * rng.choice([0.3, 1.0, 2.7], frm.shape)).astype(np.float32)
+    values = (rng.standard_normal((7, 2, H_KV, P, D)) * 200).astype(np.float32) * frm[None, :, :, None, None]
+    values[0, 0, 0, 0, :4] = [0.0, -0.0, 1e-30, -1e-30]
+    codes = fp8_ref.quantize_pages(values, frm, fmt)
+    ids = np.array([5, 0, 3], np.int32)
+    want = codes.copy()
+    for i in ids:
+        back = fp8_ref.dequantize_pages(codes[i : i + 1], frm).astype(np.float32)  # exact values
+        want[i] = fp8_ref.quantize_pages(back, to, fmt)[0]
+    pages = to_dev(codes, target)
+    lib["requantize_pages"](pages, to_dev(to, target), to_dev(ids, target), to_dev(frm, target))
+    got = pages.numpy().view(np.uint8)
+    bad = np.argwhere(got != want.view(np.uint8))
+    assert not len(bad), f"{len(bad)} codes differ, first at {bad[0].tolist()}"
+    pages = to_dev(codes, target)
+    lib["requantize_pages"](pages, to_dev(frm, target), to_dev(ids, target), to_dev(frm, target))
+    assert np.array_equal(pages.numpy().view(np.uint8), codes.view(np.uint8))
+
+
 def test_fp8_split_rope_append_stores_rotated_codes(target, rng):
     """``split_rope_append`` (rope mode "normal") stores the rotated key, rounded to fp16 as
     ``split_rope`` would give it, then quantized, and the value quantized, at each slot."""

@@ -27,6 +27,7 @@ from . import tensors
 from .decode_split import NO_SPLIT
 from .device_plan import DevicePlanner
 from .index_buffer import RING, IndexBuffers
+from .kv_scales import KvScales
 from .launch import Forward, ForwardInfo, Launcher, device_views, graph_key, run_layer, run_paged, run_ragged
 from .pages import PageHolder, PagePool
 from .plan import PackedLayout, Planner, RepeatDecode, history_tables
@@ -85,6 +86,12 @@ class PagedAttentionKVCache:
         fp8 pages only: the scales, ``[num_layers, 2, num_kv_heads]`` (axis 1: 0 = K, 1 = V) or
         ``[2, num_kv_heads]`` for every layer; positive and finite. Default 1.0 everywhere (vLLM's
         default); :meth:`set_kv_scales` sets a layer's before any token is stored.
+    calibrate : int, optional
+        fp8 pages only, instead of ``kv_scales``: learn every layer's scales from the K/V of the first
+        ``calibrate`` tokens appended, ``HEADROOM * max|x| / largest`` per layer, K or V and KV head
+        (:mod:`tvmkv.runtime.kv_scales`); codes stored while a scale grows are re-encoded. Calibrating
+        forwards copy their new K/V to the host (a device sync per layer) and cannot be captured in a
+        CUDA graph; after ``calibrate`` tokens the scales are fixed. Default 0: no calibration.
     rope_mode : str
         "none", "normal" (K stored rotated) or "inline" (K stored raw, rotated in the kernels).
     rope_scale, rope_theta : float
@@ -143,6 +150,7 @@ class PagedAttentionKVCache:
         dtype="float16",
         kv_dtype="",
         kv_scales=None,
+        calibrate=0,
         rope_mode="none",
         rope_scale=1.0,
         rope_theta=1e4,
@@ -219,7 +227,12 @@ class PagedAttentionKVCache:
         )
         self._setup(config, build_dir)
         if kv_scales is not None:
-            self._init_scales(kv_scales)
+            kv = self._require_fp8("kv_scales")
+            table = kv.table(kv_scales, "kv_scales")
+            for layer in range(config.num_layers):
+                kv.set(layer, table[layer])
+        if calibrate is not None and calibrate is not False and calibrate != 0:
+            self._start_calibration(calibrate, kv_scales)
 
     @classmethod
     def mla(cls, num_layers, num_heads, kv_lora_rank, qk_rope_head_dim, *, mla_self_dims=None, **options):
@@ -285,10 +298,12 @@ class PagedAttentionKVCache:
         zeros = np.zeros(cfg.page_shape, tensors.numpy_dtype(cfg.page_dtype))
         self.pages = [tvm.runtime.tensor(zeros, device) for _ in range(cfg.num_layers)]
         # fp8 pages: each layer's kv_scale [2, H_kv] (docs/layout.md, "fp8 pages"), passed after its pages
-        ones = np.ones((2, cfg.num_kv_heads), np.float32)
-        self._scales = [tvm.runtime.tensor(ones, device) for _ in range(cfg.num_layers)] if cfg.fp8_pages else []
+        self._kv = KvScales(cfg, device) if cfg.fp8_pages else None
+        self._calibrating = False  # the open forward's appends calibrate the scales (KvScales.calibrating)
+        self._swapped_scales: dict = {}  # swapped-out seq id -> scales its host codes were stored under
+        scales = self._kv.tensors if self._kv is not None else []
         # what every page-reading or -writing launch of a layer takes where the layout says "pages"
-        self._page_args = [(p, *self._scales[layer : layer + 1]) for layer, p in enumerate(self.pages)]
+        self._page_args = [(p, *scales[layer : layer + 1]) for layer, p in enumerate(self.pages)]
         self.pool = PagePool(cfg.total_pages)
         self._table = SequenceTable(self.pool, cfg.page_size)
         self._swap = HostSwap(cfg, device, self.pool, self._table, self.kernels, self.pages)
@@ -426,6 +441,7 @@ class PagedAttentionKVCache:
         self.require_no_forward("remove_sequence")
         if seq_id in self._table.swapped:
             self._swap.drop(seq_id)
+            self._swapped_scales.pop(seq_id, None)
         self._table.remove(seq_id)
 
     def fork_sequence(self, parent_seq_id, child_seq_id, fork_pos=-1) -> None:
@@ -508,6 +524,7 @@ class PagedAttentionKVCache:
         self._repeat = None
         self._table.clear()
         self._swap.clear()
+        self._swapped_scales.clear()
         self.pool.reset()
 
     # ------------------------------------------------------------------ forward protocol
@@ -656,6 +673,8 @@ class PagedAttentionKVCache:
         if self._tvm_ok(qkv, fwd.qkv_shape) and (out is None or self._tvm_ok(out, fwd.o_shape)):
             if out is not None:
                 self._check_apart(qkv, out, fwd)
+            if self._calibrating:
+                self._calibrate(layer, fwd, qkv)
             o = self._output_buffer(None, "tvm", fwd.total) if out is None else out  # the Relax VM's case
             run_layer(fwd, self._page_args[layer], qkv, o, sm_scale, window)
             self._ran[layer] = self._step
@@ -669,6 +688,8 @@ class PagedAttentionKVCache:
         if out is not None and kind != "numpy":
             self._check_apart(qkv, out, fwd)
         qkv_dev = tensors.to_device(qkv, kind, self.device)
+        if self._calibrating:
+            self._calibrate(layer, fwd, qkv_dev)
         o_dev = self._output_buffer(out, kind, fwd.total)
         run_layer(fwd, self._page_args[layer], qkv_dev, o_dev, sm_scale, window)
         self._ran[layer] = self._step
@@ -1038,6 +1059,10 @@ class PagedAttentionKVCache:
             raise ForwardStateError("end_forward called with no forward open; call begin_forward first")
         for seq in self._fwd.slides:
             self._table.slide(seq)
+        if self._calibrating:
+            if self._step in self._ran:  # a forward that appended: its tokens count
+                self._require_fp8("end_forward").count(self._fwd.total)
+            self._calibrating = self._require_fp8("end_forward").calibrating
         self._fwd = None
 
     def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices, *, scope="tree") -> None:
@@ -1121,7 +1146,11 @@ class PagedAttentionKVCache:
         """
         self.require_no_forward("swap_out")
         self._no_mla("swap_out")
-        self._swap.swap_out(_id_list(seq_ids, "swap_out"), as_int(max_staging_bytes, "max_staging_bytes"))
+        ids = _id_list(seq_ids, "swap_out")
+        self._swap.swap_out(ids, as_int(max_staging_bytes, "max_staging_bytes"))
+        if self._calibrating:  # the host codes keep these scales; swap_in converts if they grow meanwhile
+            snapshot = self._require_fp8("swap_out").snapshot()
+            self._swapped_scales.update((seq_id, snapshot) for seq_id in ids)
 
     def swap_in(self, seq_ids, *, max_staging_bytes=DEFAULT_STAGING_BYTES) -> None:
         """Bring swapped-out ``seq_ids`` back into free device pages with identical K/V.
@@ -1133,7 +1162,17 @@ class PagedAttentionKVCache:
         """
         self.require_no_forward("swap_in")
         self._no_mla("swap_in")
-        self._swap.swap_in(_id_list(seq_ids, "swap_in"), as_int(max_staging_bytes, "max_staging_bytes"))
+        ids = _id_list(seq_ids, "swap_in")
+        self._swap.swap_in(ids, as_int(max_staging_bytes, "max_staging_bytes"))
+        if self._swapped_scales:  # codes swapped out during calibration, under scales that may have grown
+            pages: dict = {}  # distinct pages per snapshot (sequences swapped out together share pages)
+            for seq_id in ids:
+                snapshot = self._swapped_scales.pop(seq_id, None)
+                if snapshot is not None:
+                    pages.setdefault(id(snapshot), (snapshot, set()))[1].update(self.sequence_pages(seq_id))
+            for snapshot, held in pages.values():
+                for layer in range(self.config.num_layers):
+                    self._requantize(layer, np.array(sorted(held), np.int64), snapshot[layer])
 
     def is_swapped(self, seq_id) -> bool:
         """Whether ``seq_id`` is swapped out (KeyError if the cache does not know it)."""
@@ -1186,7 +1225,7 @@ class PagedAttentionKVCache:
                 self.kernels["gather"](self.pages[layer], slots_dev, kd, vd)
                 k[layer], v[layer] = kd.numpy(), vd.numpy()
                 if cfg.fp8_pages:
-                    scale = self._scales[layer].numpy()
+                    scale = self._require_fp8("debug_get_kv").get(layer)
                     k[layer] *= scale[0][:, None]
                     v[layer] *= scale[1][:, None]
         return k, v
@@ -1252,6 +1291,11 @@ class PagedAttentionKVCache:
         step, why = self._uncapturable
         if step == self._step:
             raise ValueError(f"this forward cannot be captured in a CUDA graph: {why}")
+        if self._calibrating:
+            raise ValueError(
+                "this forward cannot be captured in a CUDA graph: it calibrates the fp8 scales (calibrate=N), "
+                "which reads K/V back to the host; capture after calibration (cache.calibrating is False)"
+            )
         return graph_key(fwd)
 
     def attended_layers(self) -> tuple:
@@ -1310,69 +1354,102 @@ class PagedAttentionKVCache:
     def kv_scales(self, layer_id) -> np.ndarray:
         """Layer ``layer_id``'s fp8 page scales as NumPy ``[2, num_kv_heads]`` float32 (index 0: K, 1: V;
         docs/layout.md, "fp8 pages")."""
-        self._require_fp8("kv_scales")
-        return self._scales[self._layer(layer_id)].numpy()
+        return self._require_fp8("kv_scales").get(self._layer(layer_id))
 
     def set_kv_scales(self, layer_id, k_scale, v_scale) -> None:
         """Set layer ``layer_id``'s fp8 page scales: ``k_scale`` and ``v_scale``, each one positive finite
         float or ``[num_kv_heads]`` of them. A stored K is ``k / k_scale`` rounded to fp8, so a scale of
         about ``max |k| / 448`` (e4m3fn; 57344 for e5m2) uses the format's range. Only while the cache
-        holds no token (the stored codes would change meaning): set scales before the first forward."""
-        self._require_fp8("set_kv_scales")
+        holds no token (the stored codes would change meaning): set scales before the first forward.
+        A layer given scales is no longer calibrated (``calibrate``)."""
+        kv = self._require_fp8("set_kv_scales")
         layer = self._layer(layer_id)
-        scales = np.stack([self._scale_row(k_scale, "k_scale"), self._scale_row(v_scale, "v_scale")])
+        scales = np.stack([kv.row(k_scale, "k_scale"), kv.row(v_scale, "v_scale")])
         self._require_empty_pages("set_kv_scales")
-        self._scales[layer].copyfrom(scales)
+        kv.set(layer, scales)
+        self._calibrating = kv.calibrating
 
-    def _init_scales(self, kv_scales) -> None:
-        """The constructor's ``kv_scales``: ``[num_layers, 2, H_kv]`` or ``[2, H_kv]`` for every layer."""
-        self._require_fp8("kv_scales")
-        cfg = self.config
-        try:
-            arr = np.asarray(kv_scales, np.float64)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"kv_scales={kv_scales!r} is not an array of floats") from err
-        want = ((cfg.num_layers, 2, cfg.num_kv_heads), (2, cfg.num_kv_heads))
-        if arr.shape not in want:
+    @property
+    def calibrating(self) -> bool:
+        """Whether forwards still calibrate the fp8 scales (``calibrate``; False once fixed)."""
+        return self._kv is not None and self._kv.calibrating
+
+    def requantize_pages(self, layer_id, page_ids, from_scales) -> None:
+        """Re-encode the fp8 codes of pages ``page_ids`` of layer ``layer_id``, stored under the scales
+        ``from_scales`` (``[2, num_kv_heads]``), to the layer's current scales (kernel
+        ``requantize_pages``: one more rounding, saturating). For code that writes pages itself (an
+        import of pages stored under other scales, :mod:`tvmkv.runtime.checkpoint`); the pages must be
+        held (by a sequence, a page holder or an import). They then hold codes under the current scales,
+        which a calibration (``calibrate``) that raises the scales later re-encodes with the rest."""
+        kv = self._require_fp8("requantize_pages")
+        layer = self._layer(layer_id)
+        src = kv.table(from_scales, "from_scales")[0] if np.ndim(from_scales) == 2 else None
+        if src is None:
             raise ValueError(
-                f"kv_scales has shape {arr.shape}; pass [num_layers, 2, num_kv_heads] = {want[0]} or one "
-                f"[2, num_kv_heads] = {want[1]} for every layer"
+                f"from_scales has shape {np.shape(from_scales)}; pass [2, num_kv_heads] = "
+                f"(2, {self.config.num_kv_heads}), the scales the pages' codes were stored under"
             )
-        per_layer = np.broadcast_to(arr, want[0])
-        rows = [
-            [self._scale_row(per_layer[layer, kv], f"kv_scales[{layer}, {kv}]") for kv in (0, 1)]
-            for layer in range(cfg.num_layers)
-        ]
-        for layer, (k, v) in enumerate(rows):
-            self._scales[layer].copyfrom(np.stack([k, v]))
+        ids = np.asarray([as_int(p, "page_ids[i]") for p in page_ids], np.int64)
+        total = self.config.total_pages
+        if len(set(ids.tolist())) != len(ids) or any(not 0 <= p < total or self.pool.ref_count(p) < 1 for p in ids):
+            raise ValueError(f"page_ids {ids[:8].tolist()} must be distinct page ids in [0, {total}) that are held")
+        self._requantize(layer, ids, src)
+        kv.stored_elsewhere()
 
-    def _scale_row(self, value, name: str) -> np.ndarray:
-        """``value`` (a float or ``[H_kv]``) as float32 ``[H_kv]``, each positive and finite."""
-        H = self.config.num_kv_heads
-        try:
-            row = np.asarray(value, np.float64)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"{name}={value!r} is not a float or an array of {H} floats") from err
-        if row.ndim == 0:
-            row = np.full(H, float(row))
-        if row.shape != (H,):
-            raise ValueError(f"{name} has shape {row.shape}; pass one float or {H} (num_kv_heads) of them")
-        bad = ~(np.isfinite(row) & (row > 0))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"{name}[{i}]={row[i]!r}: every scale must be positive and finite")
-        small = row < np.finfo(np.float32).tiny
-        if small.any():
-            i = int(np.flatnonzero(small)[0])
-            raise ValueError(f"{name}[{i}]={row[i]!r} is below float32's smallest normal: use a larger scale")
-        return row.astype(np.float32)
+    def _requantize(self, layer: int, ids: np.ndarray, from_scales: np.ndarray) -> None:
+        """Launch ``requantize_pages`` over ``ids`` of ``layer`` (nothing when no page or equal scales)."""
+        import tvm
 
-    def _require_fp8(self, what: str) -> None:
-        if not self.config.fp8_pages:
+        if not len(ids) or np.array_equal(from_scales, self._require_fp8("requantize_pages").get(layer)):
+            return
+        self.kernels["requantize_pages"](
+            *self._page_args[layer],
+            tvm.runtime.tensor(ids.astype(np.int32), self.device),
+            tvm.runtime.tensor(np.ascontiguousarray(from_scales, np.float32), self.device),
+        )
+
+    def _start_calibration(self, calibrate, kv_scales) -> None:
+        """The constructor's ``calibrate``: learn the scales from the first ``calibrate`` tokens."""
+        kv = self._require_fp8("calibrate")
+        if kv_scales is not None:
+            raise ValueError("pass kv_scales or calibrate, not both: calibrate learns the scales kv_scales gives")
+        tokens = as_int(calibrate, "calibrate")
+        if tokens < 0:
+            raise ValueError(f"calibrate={tokens} must be a number of tokens >= 0 (0: no calibration)")
+        kv.start_calibration(tokens)
+        self._calibrating = kv.calibrating
+
+    def _calibrate(self, layer: int, fwd, qkv) -> None:
+        """Calibration of layer ``layer``'s scales on the open forward's new K/V (``calibrate``): their
+        largest magnitudes as stored (``split_rope`` writes them to the scratch buffers, rotated as the
+        pages hold them) raise the layer's scales; codes already stored under smaller scales are
+        re-encoded before this forward's tokens are appended. Non-finite K/V: ValueError, nothing
+        changed."""
+        kv = self._require_fp8("calibrate")
+        if not kv.calibrates(layer) or fwd.total == 0:
+            return
+        s = fwd.scratch
+        _, rope_scale, rope_theta = fwd.attn_end
+        self.kernels["split_rope"](qkv, fwd.dev["q_pos"], s["q"], s["k"], s["v"], rope_scale, rope_theta)
+        amax = np.stack([np.abs(s[name].numpy().astype(np.float32)).max(axis=(0, 2)) for name in ("k", "v")])
+        if not np.isfinite(amax).all():
+            kv_i, head = map(int, np.argwhere(~np.isfinite(amax))[0])
+            raise ValueError(
+                f"layer {layer}'s new {'KV'[kv_i]} of KV head {head} holds non-finite values ({amax[kv_i, head]}); "
+                "fp8 scales cannot be calibrated on them (check the model's activations)"
+            )
+        old = kv.observe(layer, amax)
+        if old is not None:  # every held page: sequences', a prefix cache's, pending imports'
+            self._requantize(layer, np.flatnonzero(self.pool.ref_counts() > 0), old)
+
+    def _require_fp8(self, what: str) -> KvScales:
+        """The fp8 scales, or ValueError naming ``what`` when the pages are not fp8."""
+        if self._kv is None:
             raise ValueError(
                 f"{what}: this cache's pages are {self.config.page_dtype}; scales belong to fp8 pages "
                 "(construct it with kv_dtype='float8_e4m3fn' or 'float8_e5m2')"
             )
+        return self._kv
 
     def _require_empty_pages(self, what: str) -> None:
         if self._fwd is not None:

@@ -36,6 +36,12 @@ cache imports here and the reverse (tests/test_checkpoint.py does both). Where t
   gives it; TVM itself refuses such checkpoints). Sequences with a window are refused, as in TVM.
 - Refused as in TVM: sequences with uncommitted token-tree nodes or a sliding window, MLA caches (a
   different page layout) and caches with RoPE extension factors (longrope).
+- fp8 pages (``kv_dtype``; TVM has none): the metadata gains ``kv_dtype`` (also in the descriptor,
+  so the hash differs from a 16-bit cache's), each group's ``dtype`` is the page dtype and its
+  ``kv_scale`` ``[[K scales], [V scales]]`` the scales its codes were stored under; page groups hold
+  the codes. An import into a cache holding no token takes the checkpoint's scales (``set_kv_scales``:
+  restored exactly, and a calibration ends); otherwise the codes are re-encoded to the cache's scales
+  (``requantize_pages``: one more rounding, saturating).
 - TVM's descriptor, so the hash, covers neither partial rotary nor llama3 / yarn RoPE scaling (both
   are baked into TVM's kernels, not known to its cache): with rope_mode "normal" the stored K is
   rotated under the exporting model's variant, so import it into a cache of the same model.
@@ -103,13 +109,14 @@ class PendingImport:
     :class:`ImportReservations` lists it; finishing or aborting takes it out.
     """
 
-    __slots__ = ("seq_id", "length", "pages", "imported")
+    __slots__ = ("seq_id", "length", "pages", "imported", "scales")
 
     def __init__(self, seq_id: int, length: int, pages: list, num_layers: int):
         self.seq_id = seq_id
         self.length = length
         self.pages = pages
         self.imported = [False] * num_layers
+        self.scales = None  # fp8 checkpoints: the [L, 2, H_kv] scales its codes were stored under
 
 
 class ImportReservations:
@@ -233,11 +240,6 @@ def _check_layout(cache) -> None:
     """The cache stores MHA pages ``[num_pages, 2, H_kv, P, D]`` per layer (MLA caches do not) and has no
     RoPE extension factors (longrope; TVM refuses those caches too)."""
     cfg = cache.config
-    if getattr(cfg, "fp8_pages", False):
-        raise NotImplementedError(
-            f"checkpoints of fp8 pages (kv_dtype={cfg.kv_dtype!r}) are not supported yet (TVM's format has "
-            "no page scales): move the sequence with tvmkv.runtime.transfer to a cache of the same configuration"
-        )
     if getattr(getattr(cfg, "rope_scaling", None), "long_factor", None) is not None:
         raise ValueError(
             "checkpoints do not support RoPE extension factors (rope_scaling longrope), as in TVM: "
@@ -250,6 +252,10 @@ def _check_layout(cache) -> None:
             f"checkpoints need the MHA page layout [num_pages, {', '.join(map(str, want))}] per layer; this cache's "
             f"pages are [num_pages, {', '.join(map(str, got))}] (MLA caches are not supported, as in TVM)"
         )
+
+
+def _fp8(cache) -> bool:
+    return bool(getattr(cache.config, "fp8_pages", False))
 
 
 def _layout_fields(cache) -> dict:
@@ -270,6 +276,7 @@ def _layout_fields(cache) -> dict:
         "num_total_pages": cfg.total_pages,
         "prefill_chunk_size": cfg.prefill_chunk_size,
         "dtype": cfg.dtype,
+        **({"kv_dtype": cfg.kv_dtype} if _fp8(cache) else {}),  # tvmkv's field (TVM has no fp8 pages)
         "attn_kinds": _attn_kinds(cache),
         "rope_mode": cfg.rope_mode,
         "rotary_scale": float(cfg.rope_scale),
@@ -289,9 +296,12 @@ def layout_descriptor(cache) -> str:
     parts = []
     for key in (
         "format_version", "cache_type", "page_size", "num_layers", "layer_begin", "layer_end", "num_qo_heads",
-        "num_kv_heads", "qk_head_dim", "v_head_dim", "dtype", "rope_mode", "rotary_scale", "rotary_theta",
-        "has_rope_ext_factors", "support_sliding_window", "support_layer_sliding_window", "page_group_layout",
+        "num_kv_heads", "qk_head_dim", "v_head_dim", "dtype", "kv_dtype", "rope_mode", "rotary_scale",
+        "rotary_theta", "has_rope_ext_factors", "support_sliding_window", "support_layer_sliding_window",
+        "page_group_layout",
     ):  # fmt: skip
+        if key not in f:  # kv_dtype: fp8 pages only, so other caches keep TVM's descriptor
+            continue
         value = f[key]
         if isinstance(value, bool):
             value = int(value)
@@ -397,8 +407,10 @@ def _group_tensor(cache, x, name: str, num_pages: int, *, writable: bool):
             f"{name} has shape {shape}; a page group of this sequence is (1, num_logical_pages, 2, num_kv_heads, "
             f"page_size, head_dim) = {want}"
         )
-    if dtype != cfg.dtype:
-        raise ValueError(f"{name} has dtype {dtype}; the cache holds {cfg.dtype}: pass a {cfg.dtype} tensor")
+    if dtype != cfg.page_dtype:
+        raise ValueError(
+            f"{name} has dtype {dtype}; the cache's pages hold {cfg.page_dtype}: pass a {cfg.page_dtype} tensor"
+        )
     cache_dev = "cpu" if cfg.target_kind == "llvm" else "cuda"
     if dev not in ("cpu", cache_dev):
         raise ValueError(f"{name} is on {dev}; pass it on the cache's device ({cache_dev}) or the CPU")
@@ -410,7 +422,7 @@ def _group_tensor(cache, x, name: str, num_pages: int, *, writable: bool):
         return x, kind
     if kind == "numpy":  # a host copy (the destination of an export needs none of x's values)
         if writable:
-            return tvm.runtime.empty(shape, cfg.dtype, tvm.cpu(0)), kind
+            return tvm.runtime.empty(shape, cfg.page_dtype, tvm.cpu(0)), kind
         return tvm.runtime.tensor(x, tvm.cpu(0)), kind
     try:
         return tvm.runtime.from_dlpack(x), kind  # shares the torch tensor's memory
@@ -437,7 +449,8 @@ def checkpoint_metadata(cache, seq_id) -> str:
     ``max_batch_size``, ``num_total_pages``, ``prefill_chunk_size``), ``layout_hash``, ``seq_id``,
     ``seq_length``, ``logical_pages`` (``logical_page_index``, ``start_pos``, ``length`` of each page)
     and ``groups`` (per layer: ``group_index``, ``layer_begin``, ``layer_end``, ``num_logical_pages``,
-    ``dtype``, ``shape`` = :func:`page_group_shape`, ``nbytes``).
+    ``dtype`` (of the pages), ``shape`` = :func:`page_group_shape`, ``nbytes``, and with fp8 pages
+    ``kv_scale``).
     """
     seq = plain_sequence(cache, seq_id)
     h = layout_hash(cache)  # checks the layout
@@ -455,9 +468,10 @@ def checkpoint_metadata(cache, seq_id) -> str:
                 "layer_begin": g,
                 "layer_end": g + 1,
                 "num_logical_pages": m,
-                "dtype": cfg.dtype,
+                "dtype": cfg.page_dtype,
                 "shape": list(page_group_shape(cache, m)),
                 "nbytes": m * cfg.page_bytes,
+                **({"kv_scale": [[float(x) for x in row] for row in cache.kv_scales(g)]} if _fp8(cache) else {}),
             }
             for g in range(cfg.num_layers)
         ],
@@ -515,7 +529,7 @@ def export_checkpoint(cache, seq_id) -> Checkpoint:
     m = len(json.loads(meta)["logical_pages"])
     groups = []
     for g in range(cache.config.num_layers):
-        out = np.empty(page_group_shape(cache, m), tensors.numpy_dtype(cache.config.dtype))
+        out = np.empty(page_group_shape(cache, m), tensors.numpy_dtype(cache.config.page_dtype))
         export_page_group(cache, seq_id, g, out)
         groups.append(out)
     return Checkpoint(meta, groups)
@@ -615,10 +629,37 @@ def _check_metadata(cache, metadata_json) -> int:
             raise ValueError(f"{where} is not a JSON object")
         for key, want in (("group_index", g), ("layer_begin", g), ("layer_end", g + 1), ("num_logical_pages", m)):
             _expect(group, key, want, "int", where)
-        _expect(group, "dtype", cache.config.dtype, "str", where)
+        _expect(group, "dtype", cache.config.page_dtype, "str", where)
         _expect(group, "shape", list(page_group_shape(cache, m)), "list", where)
         _expect(group, "nbytes", m * cache.config.page_bytes, "int", where)
     return n
+
+
+def _group_scales(cache, metadata_json: str):
+    """fp8 pages: the ``[L, 2, H_kv]`` float32 scales of a checkpoint's page groups (``kv_scale`` of
+    each group, checked: shape, positive, finite, float32-normal); None for other caches."""
+    if not _fp8(cache):
+        return None
+    H = cache.config.num_kv_heads
+    out = []
+    for g, group in enumerate(json.loads(metadata_json)["groups"]):
+        where = f"{_CONTEXT} groups[{g}]"
+        value = _field(group, "kv_scale", "list", where)
+        try:
+            arr = np.asarray(value, np.float64)
+        except (TypeError, ValueError):
+            arr = np.zeros(0)
+        if arr.shape != (2, H) or not (np.isfinite(arr) & (arr >= np.finfo(np.float32).tiny)).all():
+            raise ValueError(
+                f"{where} field 'kv_scale' = {value!r} must be [[K scales], [V scales]] of {H} positive finite "
+                "floats each (the fp8 scales the group's codes were stored under)"
+            )
+        out.append(arr.astype(np.float32))
+    return np.stack(out)
+
+
+def _holds_no_token(cache) -> bool:
+    return cache.pool.num_free == cache.pool.num_pages and not cache.swapped_sequence_ids()
 
 
 def prepare_import(cache, seq_id, metadata_json) -> None:
@@ -632,7 +673,12 @@ def prepare_import(cache, seq_id, metadata_json) -> None:
     _check_layout(cache)
     seq_id = check_new_id(cache, seq_id, "prepare_import")
     n = _check_metadata(cache, metadata_json)
-    ImportReservations.of(cache).reserve(cache, seq_id, n)
+    scales = _group_scales(cache, metadata_json)
+    if scales is not None and _holds_no_token(cache):  # restore exactly: take the checkpoint's scales
+        for layer, (k, v) in enumerate(scales):
+            cache.set_kv_scales(layer, k, v)
+    rec = ImportReservations.of(cache).reserve(cache, seq_id, n)
+    rec.scales = scales
 
 
 def import_page_group(cache, seq_id, group_id, src) -> None:
@@ -649,6 +695,8 @@ def import_page_group(cache, seq_id, group_id, src) -> None:
     t, _ = _group_tensor(cache, src, "src", m, writable=False)
     # ---- validated
     copy_pages(cache, t, np.arange(m), cache.pages[group], rec.pages)
+    if rec.scales is not None:  # codes stored under the checkpoint's scales, now under the cache's
+        cache.requantize_pages(group, rec.pages, rec.scales[group])
     rec.imported[group] = True
 
 

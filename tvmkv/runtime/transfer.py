@@ -21,11 +21,12 @@ objects of one process (on the same device, another device, or the CPU), in thre
 The caches must agree on everything the stored K/V depends on (layers, heads, head_dim, dtype,
 page_size, RoPE mode / scale / theta): ValueError naming the field and both values otherwise.
 Sequences with uncommitted token-tree nodes or a sliding window are refused (as for checkpoints).
+With fp8 pages (the same ``kv_dtype`` on both) whose scales differ, the received codes are re-encoded
+to the receiver's scales (``requantize_pages``: one more rounding; values beyond the receiver's range
+saturate); equal scales move the codes unchanged.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from .checkpoint import ImportReservations, check_new_id, copy_pages, plain_sequence
 from .sequences import as_int, check_id
@@ -53,14 +54,6 @@ def check_compatible(sender, receiver) -> None:
     a, b = tuple(sender.pages[0].shape[1:]), tuple(receiver.pages[0].shape[1:])
     if a != b:
         raise ValueError(f"cannot move a sequence between pages of shape {a} (sender) and {b} (receiver)")
-    if getattr(sender.config, "fp8_pages", False):  # fp8 codes mean the same only under the same scales
-        for layer in range(sender.config.num_layers):
-            if not np.array_equal(sender.kv_scales(layer), receiver.kv_scales(layer)):
-                raise ValueError(
-                    f"cannot move a sequence between these caches: their fp8 page scales differ at layer {layer} "
-                    f"({sender.kv_scales(layer).tolist()} vs {receiver.kv_scales(layer).tolist()}); give the "
-                    "receiver the sender's scales (set_kv_scales) before any token is stored"
-                )
 
 
 class Receive:
@@ -164,8 +157,11 @@ def send_sequence(sender, seq_id, recv: Receive) -> None:
         )
     rec = recv.record
     # ---- validated
+    fp8 = getattr(sender.config, "fp8_pages", False)
     for layer in range(sender.config.num_layers):
         copy_pages(sender, sender.pages[layer], seq.pages, recv.cache.pages[layer], rec.pages)
+        if fp8:  # codes stored under the sender's scales, now under the receiver's
+            recv.cache.requantize_pages(layer, rec.pages, sender.kv_scales(layer))
     rec.imported[:] = [True] * len(rec.imported)
     recv.sent = True
 

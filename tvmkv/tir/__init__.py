@@ -22,7 +22,7 @@ Modules:
   ``rope_q``, ``split_rope_append`` = split_rope + append in one kernel; their RoPE variants are described
   by ``rope_scaling``'s :class:`RopeScaling`, plain Python), ``merge`` (``merge_state``,
   ``merge_splits``), ``page_ops`` (``copy_page``, ``compact_copy``, ``gather``, ``gather_pages``,
-  ``scatter_pages``).
+  ``scatter_pages``; with fp8 pages ``requantize_pages``).
 * interop family (built lazily, not in :func:`kernel_set`): ``interop`` (copies to and from foreign
   layouts) and ``foreign_layouts`` (:data:`LAYOUTS`, :func:`foreign_shape`; no TVM import).
 
@@ -99,6 +99,8 @@ def kernel_set(
         "scatter_pages": page_ops.make_scatter_pages(spec),
         "plan_decode": plan_ops.make_plan_decode(spec),
     }
+    if spec.fp8_pages:  # re-encode stored codes under new scales (calibration, imports)
+        kernels["requantize_pages"] = page_ops.make_requantize_pages(spec)
     if rope_scaling is None:  # split + rotate + append in one launch (forwards whose attention reads the pages)
         kernels["split_rope_append"] = rope.make_split_rope(spec, rotate=rope_mode == "normal", into_pages=True)
         for name, split in (("paged_decode_append", False), ("paged_decode_append_split", True)):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._kernel_common import func_attrs, heads_per_block, macro
-from .fp8 import zero
+from .fp8 import kv_scale_buffer, page_code, page_value, with_kv_scale, zero
 from .spec import KernelSpec
 
 
@@ -306,3 +306,69 @@ def _make_page_transfer(spec: KernelSpec, *, to_staging: bool):
                                 dst[di] = src[si]
 
     return page_transfer_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+def make_requantize_pages(spec: KernelSpec):
+    """``requantize_pages(pages, kv_scale, page_ids, from_scale)``: fp8 pages only (None otherwise).
+    Re-encode the codes of whole pages stored under the scales ``from_scale`` to the layer's scales
+    ``kv_scale`` (docs/layout.md, "fp8 pages"): each element becomes the code of
+    ``dequantize(code) * from_scale[kv, h] / kv_scale[kv, h]``, rounded and saturated as
+    :func:`tvmkv.tir.fp8.quantize` does (equal scales give every code back unchanged). The cache runs
+    it when a layer's scales grow during calibration and when imported pages were stored under other
+    scales.
+
+    Parameters
+    ----------
+    pages : [num_pages, 2, H_kv, P, D], spec.page_dtype
+        One layer's page pool, **written in place** at the listed pages.
+    kv_scale : [2, H_kv], float32
+        The scales the codes are converted to.
+    page_ids : [m], int32
+        Pages to convert, all distinct (the caller checks the range).
+    from_scale : [2, H_kv], float32
+        The scales the codes were stored under.
+    """
+    if not spec.fp8_pages:
+        return None
+    H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.page_dtype
+    HY = heads_per_block(H, D)
+    HB = (H + HY - 1) // HY
+    scale = kv_scale_buffer(spec)
+    attrs = func_attrs(spec)
+
+    def convert(pages, from_scale, page, kv, h, j, d):
+        """The new code of one element."""
+        return page_code(spec, page_value(spec, pages[page, kv, h, j, d]) * from_scale[kv, h], scale, kv, h)
+
+    @macro
+    def cpu_body():
+        for i in T.parallel(m):
+            for kv, h, j, d in T.grid(2, H, P, D):
+                pages[page_ids[i], kv, h, j, d] = convert(pages, from_scale, page_ids[i], kv, h, j, d)
+
+    @macro
+    def gpu_body():
+        for i in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
+            for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        h = T.meta_var(hb % HB * HY + hy)
+                        if i < m and h < H:
+                            for j in T.serial(P):
+                                pages[page_ids[i], hb // HB, h, j, d] = convert(
+                                    pages, from_scale, page_ids[i], hb // HB, h, j, d
+                                )
+
+    body = cpu_body if spec.is_cpu else gpu_body
+
+    @T.prim_func(check_well_formed=False)  # checked by with_kv_scale
+    def requantize_pages(var_pages: T.handle, var_ids: T.handle, var_from: T.handle):
+        T.func_attr(attrs)
+        num_pages = T.int32()
+        m = T.int32()
+        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), dtype)
+        page_ids = T.match_buffer(var_ids, (m,), "int32")
+        from_scale = T.match_buffer(var_from, (2, H), "float32")
+        body()
+
+    return with_kv_scale(requantize_pages, scale, 0)
