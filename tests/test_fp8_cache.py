@@ -224,10 +224,38 @@ def test_fp8_checkpoints_and_transfers_carry_the_scales(fmt, rng):
             np.testing.assert_allclose(v[layer], _requantized(va[layer], s_b[layer, 1], fmt), rtol=1e-6, atol=0)
         b.check_integrity()
 
-    bad = meta.copy()
-    bad["groups"] = [dict(g, kv_scale=[[0.0] * HKV, [1.0] * HKV]) for g in meta["groups"]]
-    with pytest.raises(ValueError, match="kv_scale"):
-        checkpoint.prepare_import(_cache("llvm", fmt), 1, __import__("json").dumps(bad))
+    for wrong in (
+        [[0.0] * HKV, [1.0] * HKV],
+        [["0.1"] * HKV, [1.0] * HKV],
+        [[True] * HKV, [1.0] * HKV],
+        [[1e39] * HKV, [1.0] * HKV],
+        [[1.0] * HKV],
+    ):
+        bad = dict(meta, groups=[dict(g, kv_scale=wrong) for g in meta["groups"]])
+        target_cache = _cache("llvm", fmt)
+        with pytest.raises(ValueError, match="kv_scale"):
+            checkpoint.prepare_import(target_cache, 1, __import__("json").dumps(bad))
+        with pytest.raises(ValueError, match="kv_scale"):
+            checkpoint.import_checkpoint(
+                target_cache, 1, checkpoint.Checkpoint(__import__("json").dumps(bad), ckpt.groups)
+            )
+        assert np.array_equal(target_cache.kv_scales(0), np.ones((2, HKV), np.float32))
+        assert target_cache.num_available_pages() == target_cache.config.total_pages
+    # a failed import leaves an empty calibrating cache as it was: its scales, its calibration
+    calibrating = _cache("llvm", fmt, calibrate=8)
+    wrong_shape = checkpoint.Checkpoint(ckpt.metadata, [ckpt.groups[0], ckpt.groups[1][:, :2]])
+    with pytest.raises(ValueError, match="shape"):
+        checkpoint.import_checkpoint(calibrating, 1, wrong_shape)
+    checkpoint.prepare_import(calibrating, 1, ckpt.metadata)  # step by step: re-encoded, never adopted
+    checkpoint.abort_import(calibrating, 1)
+    assert calibrating.calibrating and np.array_equal(calibrating.kv_scales(1), np.ones((2, HKV), np.float32))
+    calibrating.check_integrity()
+    # a move into a cache holding no token gives it the sender's scales: the codes move unchanged
+    receiver = _cache("llvm", fmt, calibrate=8)
+    transfer.move_sequence(fresh, 5, receiver, 2)
+    assert not receiver.calibrating and np.array_equal(receiver.kv_scales(1), s_a[1])
+    k, v = receiver.debug_get_kv(2)
+    assert np.array_equal(k, ka) and np.array_equal(v, va)
     plain = _cache("llvm", "")
     plain.add_sequence(0)
     _prefill(plain, rng, 0, 4)
@@ -258,7 +286,7 @@ def test_fp8_calibration_learns_the_scales_from_the_first_tokens(target, fmt, rn
     s1 = np.stack([amax(x1, 0), amax(x1, 1)], axis=1) * 2 / largest  # [L, 2, H_kv]
     np.testing.assert_allclose(scales(), s1, rtol=1e-6)
     s1 = scales()
-    cache.swap_out([0])
+    cache.swap_out([np.int64(0)])  # ids of any integer type name the same sequence
     cache.begin_forward([1], [30])
     with pytest.raises(ValueError, match="calibrates the fp8 scales"):
         cache.graph_key()
@@ -270,7 +298,7 @@ def test_fp8_calibration_learns_the_scales_from_the_first_tokens(target, fmt, rn
     np.testing.assert_allclose(scales(), s2, rtol=1e-6)
     s2 = scales()
     assert (s2 > s1).any() and cache.calibrating  # 50 of 60 tokens
-    cache.swap_in([0])
+    cache.swap_in([np.array(0)])
     k, v = cache.debug_get_kv(0)
     for layer in range(L):  # stored under s1, re-encoded under s2
         for kv, got in ((0, k), (1, v)):
@@ -327,3 +355,42 @@ def test_fp8_calibration_is_validated_and_refusals_change_nothing(rng):
     want = np.abs(qkv[:, HQ:].astype(np.float32)).reshape(4, 2, HKV, D).max(axis=(0, 3)) * 2 / 448
     np.testing.assert_allclose(cache.kv_scales(0), want, rtol=1e-6)
     assert cache.calibrating
+
+
+def test_fp8_nan_stays_nan_and_all_zero_heads_get_the_default_scale(rng):
+    """NaN K/V are stored as NaN (as 16-bit pages hold them), infinities saturate at the format's largest
+    value; a head whose calibration K or V were all zeros ends the calibration with the default scale
+    1.0, which later values fit, not the floor its zeros gave."""
+    cache = _cache("llvm", "float8_e4m3fn", kv_scales=np.full((2, HKV), 0.01))
+    cache.add_sequence(0)
+    qkv = rng.standard_normal((3, HQ + 2 * HKV, D)).astype(np.float16)
+    qkv[1, HQ, 5] = np.nan  # K of KV head 0
+    qkv[2, HQ + HKV + 1, 9] = np.inf  # V of KV head 1
+    cache.begin_forward([0], [3])
+    for layer in range(L):
+        cache.attention_with_fused_qkv(layer, qkv)
+    cache.end_forward()
+    k, v = cache.debug_get_kv(0)
+    assert np.isnan(k[:, 1, 0, 5]).all() and np.isnan(k).sum() == L and not np.isnan(v).any()
+    assert (v[:, 2, 1, 9] == np.float32(448) * np.float32(0.01)).all()
+
+    cal = _cache("llvm", "float8_e4m3fn", calibrate=4)
+    cal.add_sequence(0)
+    x = rng.standard_normal((4, HQ + 2 * HKV, D)).astype(np.float16)
+    x[:, HQ + HKV] = 0  # V of KV head 0: all zeros during the calibration
+    cal.begin_forward([0], [4])
+    for layer in range(L):
+        cal.attention_with_fused_qkv(layer, x)
+    cal.end_forward()
+    assert not cal.calibrating
+    want = np.abs(x[:, HQ + HKV + 1].astype(np.float32)).max() * 2 / 448
+    np.testing.assert_allclose(cal.kv_scales(0)[1], [1.0, want], rtol=1e-6)
+    later = rng.standard_normal((1, HQ + 2 * HKV, D)).astype(np.float16)
+    cal.begin_forward([0], [1])
+    for layer in range(L):
+        cal.attention_with_fused_qkv(layer, later)
+    cal.end_forward()
+    _, v = cal.debug_get_kv(0)
+    assert (v[:, :4, 0] == 0).all()
+    stored, exact = v[0, 4, 0], later[0, HQ + HKV].astype(np.float32)
+    np.testing.assert_allclose(stored, exact, rtol=2**-4, atol=2**-9)  # e4m3 rounding under scale 1.0

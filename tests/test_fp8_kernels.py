@@ -19,6 +19,7 @@ from conftest import to_dev
 from tvmkv.build import load_kernels
 from tvmkv.reference import attention as ref
 from tvmkv.reference import fp8 as fp8_ref
+from tvmkv.runtime.tensors import numpy_dtype
 from tvmkv.tir.spec import FP8_DTYPES, KernelSpec
 
 H_QO, H_KV, D, P = 4, 2, 64, 16
@@ -149,6 +150,7 @@ def test_fp8_requantize_pages_re_encodes_listed_pages(target, fmt, rng):
     values = (rng.standard_normal((7, 2, H_KV, P, D)) * 200).astype(np.float32) * frm[None, :, :, None, None]
     values[0, 0, 0, 0, :4] = [0.0, -0.0, 1e-30, -1e-30]
     codes = fp8_ref.quantize_pages(values, frm, fmt)
+    codes.view(np.uint8)[5, 1, 0, 3, :3] = [0x7F, 0xFF, 0x7F]  # NaN codes (both formats) stay NaN
     ids = np.array([5, 0, 3], np.int32)
     want = codes.copy()
     for i in ids:
@@ -156,12 +158,16 @@ def test_fp8_requantize_pages_re_encodes_listed_pages(target, fmt, rng):
         want[i] = fp8_ref.quantize_pages(back, to, fmt)[0]
     pages = to_dev(codes, target)
     lib["requantize_pages"](pages, to_dev(to, target), to_dev(ids, target), to_dev(frm, target))
-    got = pages.numpy().view(np.uint8)
-    bad = np.argwhere(got != want.view(np.uint8))
+    got = pages.numpy()
+    nan = np.isnan(want.astype(np.float32))
+    assert np.array_equal(np.isnan(got.astype(np.float32)), nan) and nan.sum() == 3
+    bad = np.argwhere((got.view(np.uint8) != want.view(np.uint8)) & ~nan)
     assert not len(bad), f"{len(bad)} codes differ, first at {bad[0].tolist()}"
     pages = to_dev(codes, target)
     lib["requantize_pages"](pages, to_dev(frm, target), to_dev(ids, target), to_dev(frm, target))
-    assert np.array_equal(pages.numpy().view(np.uint8), codes.view(np.uint8))
+    got, same = pages.numpy(), ~np.isnan(codes.astype(np.float32))
+    assert np.isnan(got.astype(np.float32)[~same]).all()  # (a NaN's sign is not kept)
+    assert np.array_equal(got.view(np.uint8)[same], codes.view(np.uint8)[same])
 
 
 def test_fp8_split_rope_append_stores_rotated_codes(target, rng):
@@ -190,20 +196,24 @@ def test_fp8_split_rope_append_stores_rotated_codes(target, rng):
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01
 
 
-@pytest.mark.parametrize("fmt", FP8_DTYPES)
-def test_fp8_attention_reads_dequantized(target, fmt, rng):
+@pytest.mark.parametrize(
+    "fmt, dtype", [("float8_e4m3fn", "float16"), ("float8_e5m2", "float16"), ("float8_e4m3fn", "bfloat16")]
+)
+def test_fp8_attention_reads_dequantized(target, fmt, dtype, rng):
     """Paged prefill (causal and not, q separate or in the fused qkv), paged decode and the split decode
     (chunks merged by ``merge_splits``) over fp8 pages compute attention over the dequantized values
-    (fp64 reference); the pool's other slots hold NaN codes."""
-    spec = _spec(target, fmt)
+    (fp64 reference); the pool's other slots hold NaN codes. bfloat16 activations: the codes become
+    bfloat16 (exactly) where the kernels convert them."""
+    spec = _spec(target, fmt, dtype)
     lib = load_kernels(spec, rope_mode="none")
+    act = numpy_dtype(dtype)
     scale = _scales(rng)
     sm_scale = 1.0 / math.sqrt(D)
     hist, new = [0, 2 * P, 37, 5], [5, 4, 1, 9]
     kv_lens = [h + m for h, m in zip(hist, new)]
     tab = Table(rng, kv_lens, fmt, scale)
     n = sum(new)
-    q = rng.standard_normal((n, H_QO, D)).astype(np.float16)
+    q = rng.standard_normal((n, H_QO, D)).astype(act)
     q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new)]).astype(np.int32)
     trees = [np.zeros((1, 2), np.int32), np.zeros(1, np.int32), np.zeros((1, 3), np.int32), np.zeros(1, np.int32)]
@@ -213,7 +223,7 @@ def test_fp8_attention_reads_dequantized(target, fmt, rng):
         o_ref, lse_ref = ref.paged_prefill(
             q, q_indptr, q_pos, tab.values, *tab.tables(), *trees, sm_scale, *ROPE, mask=mask
         )
-        qin = np.concatenate([q, np.full((n, 2 * H_KV, D), np.nan, np.float16)], axis=1) if fused else q
+        qin = np.concatenate([q, np.full((n, 2 * H_KV, D), np.nan, act)], axis=1) if fused else q
         o = to_dev(np.zeros_like(q), target)
         lse = to_dev(np.zeros((n, H_QO), np.float32), target)
         head = [to_dev(a, target) for a in (qin, q_indptr, q_pos)]
@@ -222,7 +232,7 @@ def test_fp8_attention_reads_dequantized(target, fmt, rng):
         _check(o, lse, o_ref, lse_ref)
     # decode: one query per sequence at its last position
     B = len(kv_lens)
-    qd = rng.standard_normal((B, H_QO, D)).astype(np.float16)
+    qd = rng.standard_normal((B, H_QO, D)).astype(act)
     qd_pos = np.array(kv_lens, np.int32) - 1
     o_ref, lse_ref = ref.paged_decode(qd, qd_pos, tab.values, *tab.tables(), sm_scale, *ROPE)
     o = to_dev(np.zeros_like(qd), target)

@@ -1060,9 +1060,10 @@ class PagedAttentionKVCache:
         for seq in self._fwd.slides:
             self._table.slide(seq)
         if self._calibrating:
+            kv = self._require_fp8("end_forward")
             if self._step in self._ran:  # a forward that appended: its tokens count
-                self._require_fp8("end_forward").count(self._fwd.total)
-            self._calibrating = self._require_fp8("end_forward").calibrating
+                kv.count(self._fwd.total)
+            self._calibrating = kv.calibrating
         self._fwd = None
 
     def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices, *, scope="tree") -> None:
@@ -1146,7 +1147,7 @@ class PagedAttentionKVCache:
         """
         self.require_no_forward("swap_out")
         self._no_mla("swap_out")
-        ids = _id_list(seq_ids, "swap_out")
+        ids = [check_id(s, "seq_ids[i]") for s in _id_list(seq_ids, "swap_out")]
         self._swap.swap_out(ids, as_int(max_staging_bytes, "max_staging_bytes"))
         if self._calibrating:  # the host codes keep these scales; swap_in converts if they grow meanwhile
             snapshot = self._require_fp8("swap_out").snapshot()
@@ -1162,7 +1163,7 @@ class PagedAttentionKVCache:
         """
         self.require_no_forward("swap_in")
         self._no_mla("swap_in")
-        ids = _id_list(seq_ids, "swap_in")
+        ids = [check_id(s, "seq_ids[i]") for s in _id_list(seq_ids, "swap_in")]
         self._swap.swap_in(ids, as_int(max_staging_bytes, "max_staging_bytes"))
         if self._swapped_scales:  # codes swapped out during calibration, under scales that may have grown
             pages: dict = {}  # distinct pages per snapshot (sequences swapped out together share pages)
@@ -1383,12 +1384,16 @@ class PagedAttentionKVCache:
         which a calibration (``calibrate``) that raises the scales later re-encodes with the rest."""
         kv = self._require_fp8("requantize_pages")
         layer = self._layer(layer_id)
-        src = kv.table(from_scales, "from_scales")[0] if np.ndim(from_scales) == 2 else None
+        src = (
+            kv.table(from_scales, "from_scales")[0] if np.shape(from_scales) == (2, self.config.num_kv_heads) else None
+        )
         if src is None:
             raise ValueError(
                 f"from_scales has shape {np.shape(from_scales)}; pass [2, num_kv_heads] = "
                 f"(2, {self.config.num_kv_heads}), the scales the pages' codes were stored under"
             )
+        if isinstance(page_ids, (str, bytes)) or not hasattr(page_ids, "__iter__"):
+            raise TypeError(f"page_ids must be a list of page ids, not {type(page_ids).__name__}")
         ids = np.asarray([as_int(p, "page_ids[i]") for p in page_ids], np.int64)
         total = self.config.total_pages
         if len(set(ids.tolist())) != len(ids) or any(not 0 <= p < total or self.pool.ref_count(p) < 1 for p in ids):

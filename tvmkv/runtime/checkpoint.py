@@ -39,9 +39,11 @@ cache imports here and the reverse (tests/test_checkpoint.py does both). Where t
 - fp8 pages (``kv_dtype``; TVM has none): the metadata gains ``kv_dtype`` (also in the descriptor,
   so the hash differs from a 16-bit cache's), each group's ``dtype`` is the page dtype and its
   ``kv_scale`` ``[[K scales], [V scales]]`` the scales its codes were stored under; page groups hold
-  the codes. An import into a cache holding no token takes the checkpoint's scales (``set_kv_scales``:
-  restored exactly, and a calibration ends); otherwise the codes are re-encoded to the cache's scales
-  (``requantize_pages``: one more rounding, saturating).
+  the codes. :func:`import_page_group` re-encodes them to the cache's scales (``requantize_pages``:
+  one more rounding, saturating; unchanged under equal scales). :func:`import_checkpoint` into a
+  cache holding no token first gives it the checkpoint's scales (restored exactly, and a calibration
+  ends); step by step, :func:`checkpoint_kv_scales` + ``set_kv_scales`` before ``prepare_import`` do
+  the same.
 - TVM's descriptor, so the hash, covers neither partial rotary nor llama3 / yarn RoPE scaling (both
   are baked into TVM's kernels, not known to its cache): with rope_mode "normal" the stored K is
   rotated under the exporting model's variant, so import it into a cache of the same model.
@@ -75,11 +77,13 @@ __all__ = [
     "PendingImport",
     "abort_import",
     "check_new_id",
+    "checkpoint_kv_scales",
     "checkpoint_metadata",
     "copy_pages",
     "export_checkpoint",
     "export_page_group",
     "finish_import",
+    "holds_no_token",
     "import_checkpoint",
     "import_page_group",
     "layout_descriptor",
@@ -579,6 +583,13 @@ def _check_metadata(cache, metadata_json) -> int:
     if not isinstance(meta, dict):
         raise ValueError(f"checkpoint metadata must be a JSON object, not {type(meta).__name__}")
     mine = _layout_fields(cache)
+    if ("kv_dtype" in mine) != ("kv_dtype" in meta):
+        theirs = meta.get("kv_dtype") or f"{meta.get('dtype')!r} pages"
+        ours = mine.get("kv_dtype") or f"{cache.config.dtype!r} pages"
+        raise ValueError(
+            f"the checkpoint holds {theirs} (kv_dtype {meta.get('kv_dtype', 'absent')}) but this cache stores {ours}: "
+            "import it into a cache with the same kv_dtype"
+        )
     kinds = {bool: "bool", int: "int", float: "number", str: "str", list: "list"}
     for key, want in mine.items():
         if key in ("reserved_num_seqs", "num_total_pages", "prefill_chunk_size"):
@@ -635,21 +646,24 @@ def _check_metadata(cache, metadata_json) -> int:
     return n
 
 
-def _group_scales(cache, metadata_json: str):
-    """fp8 pages: the ``[L, 2, H_kv]`` float32 scales of a checkpoint's page groups (``kv_scale`` of
-    each group, checked: shape, positive, finite, float32-normal); None for other caches."""
+def checkpoint_kv_scales(cache, metadata_json: str):
+    """fp8 pages: the ``[L, 2, H_kv]`` float32 scales a checkpoint's page groups were stored under
+    (``kv_scale`` of each group, checked against ``cache``: shape, JSON numbers, positive, finite,
+    normal float32); None for caches without fp8 pages. A cache given these scales
+    (``set_kv_scales``) before ``prepare_import`` imports the codes unchanged."""
     if not _fp8(cache):
         return None
+    _check_metadata(cache, metadata_json)
     H = cache.config.num_kv_heads
+    f32 = np.finfo(np.float32)
     out = []
     for g, group in enumerate(json.loads(metadata_json)["groups"]):
         where = f"{_CONTEXT} groups[{g}]"
         value = _field(group, "kv_scale", "list", where)
-        try:
-            arr = np.asarray(value, np.float64)
-        except (TypeError, ValueError):
-            arr = np.zeros(0)
-        if arr.shape != (2, H) or not (np.isfinite(arr) & (arr >= np.finfo(np.float32).tiny)).all():
+        rows_ok = len(value) == 2 and all(isinstance(row, list) and len(row) == H for row in value)
+        numbers = rows_ok and all(isinstance(x, (int, float)) and not isinstance(x, bool) for row in value for x in row)
+        arr = np.asarray(value, np.float64) if numbers else np.zeros(0)
+        if arr.shape != (2, H) or not (np.isfinite(arr) & (arr >= f32.tiny) & (arr <= f32.max)).all():
             raise ValueError(
                 f"{where} field 'kv_scale' = {value!r} must be [[K scales], [V scales]] of {H} positive finite "
                 "floats each (the fp8 scales the group's codes were stored under)"
@@ -658,8 +672,10 @@ def _group_scales(cache, metadata_json: str):
     return np.stack(out)
 
 
-def _holds_no_token(cache) -> bool:
-    return cache.pool.num_free == cache.pool.num_pages and not cache.swapped_sequence_ids()
+def holds_no_token(cache) -> bool:
+    """Whether ``cache`` holds no token at all (no page in use, nothing swapped out, no forward open):
+    then ``set_kv_scales`` may change its fp8 scales."""
+    return cache.pool.num_free == cache.pool.num_pages and not cache.swapped_sequence_ids() and not cache.forward_open
 
 
 def prepare_import(cache, seq_id, metadata_json) -> None:
@@ -673,10 +689,7 @@ def prepare_import(cache, seq_id, metadata_json) -> None:
     _check_layout(cache)
     seq_id = check_new_id(cache, seq_id, "prepare_import")
     n = _check_metadata(cache, metadata_json)
-    scales = _group_scales(cache, metadata_json)
-    if scales is not None and _holds_no_token(cache):  # restore exactly: take the checkpoint's scales
-        for layer, (k, v) in enumerate(scales):
-            cache.set_kv_scales(layer, k, v)
+    scales = checkpoint_kv_scales(cache, metadata_json)
     rec = ImportReservations.of(cache).reserve(cache, seq_id, n)
     rec.scales = scales
 
@@ -713,14 +726,25 @@ def abort_import(cache, seq_id) -> None:
 
 
 def import_checkpoint(cache, seq_id, checkpoint: Checkpoint) -> None:
-    """Import a whole :class:`Checkpoint` into the new ``seq_id`` (aborted again if a group fails)."""
+    """Import a whole :class:`Checkpoint` into the new ``seq_id`` (aborted again if a group fails).
+
+    fp8 pages: a cache holding no token takes the checkpoint's scales first (``set_kv_scales``: the
+    codes are restored exactly, and a calibration ends), once every part of the checkpoint has been
+    checked; a cache holding tokens keeps its scales and re-encodes the codes."""
+    check_new_id(cache, seq_id, "import_checkpoint")
+    n = _check_metadata(cache, checkpoint.metadata)
+    if len(checkpoint.groups) != cache.config.num_layers:
+        raise ValueError(
+            f"the checkpoint has {len(checkpoint.groups)} page groups; this cache has {cache.config.num_layers} layers"
+        )
+    for g, group in enumerate(checkpoint.groups):
+        _group_tensor(cache, group, f"checkpoint.groups[{g}]", -(-n // cache.config.page_size), writable=False)
+    scales = checkpoint_kv_scales(cache, checkpoint.metadata)
+    if scales is not None and holds_no_token(cache):  # everything checked: restore exactly
+        for layer, (k, v) in enumerate(scales):
+            cache.set_kv_scales(layer, k, v)
     prepare_import(cache, seq_id, checkpoint.metadata)
     try:
-        if len(checkpoint.groups) != cache.config.num_layers:
-            raise ValueError(
-                f"the checkpoint has {len(checkpoint.groups)} page groups; this cache has "
-                f"{cache.config.num_layers} layers"
-            )
         for g, group in enumerate(checkpoint.groups):
             import_page_group(cache, seq_id, g, group)
         finish_import(cache, seq_id)

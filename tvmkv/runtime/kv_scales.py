@@ -139,8 +139,16 @@ class KvScales:
         return cur if stored else None  # (before its first observation a layer holds no codes)
 
     def count(self, tokens: int) -> None:
-        """Count ``tokens`` appended by a forward that calibrated."""
+        """Count ``tokens`` appended by a forward that calibrated. When that ends the calibration, a
+        head whose calibration K or V was all zeros (its scale still the floor) gets the default scale
+        1.0: its codes are all zero, which mean zero under any scale."""
         self.seen += tokens
+        if self.calibrating:
+            return
+        for layer, cur in enumerate(self._host):
+            unseen = cur == np.float32(_FLOOR)
+            if unseen.any() and not self._fixed[layer]:
+                self.set(layer, np.where(unseen, np.float32(1.0), cur).astype(np.float32))
 
     def stored_elsewhere(self) -> None:
         """Codes were stored under the current scales outside calibration (an import): calibrating

@@ -23,12 +23,13 @@ page_size, RoPE mode / scale / theta): ValueError naming the field and both valu
 Sequences with uncommitted token-tree nodes or a sliding window are refused (as for checkpoints).
 With fp8 pages (the same ``kv_dtype`` on both) whose scales differ, the received codes are re-encoded
 to the receiver's scales (``requantize_pages``: one more rounding; values beyond the receiver's range
-saturate); equal scales move the codes unchanged.
+saturate); equal scales move the codes unchanged. :func:`move_sequence` into a cache holding no token
+first gives it the sender's scales (``set_kv_scales``; a calibration of the receiver ends).
 """
 
 from __future__ import annotations
 
-from .checkpoint import ImportReservations, check_new_id, copy_pages, plain_sequence
+from .checkpoint import ImportReservations, check_new_id, copy_pages, holds_no_token, plain_sequence
 from .sequences import as_int, check_id
 
 __all__ = ["Receive", "check_compatible", "move_sequence", "prepare_receive", "send_sequence"]
@@ -174,6 +175,12 @@ def move_sequence(sender, seq_id, receiver, receiver_seq_id=None, *, remove: boo
     """
     seq = plain_sequence(sender, seq_id)
     target = check_id(seq_id) if receiver_seq_id is None else receiver_seq_id
+    check_new_id(receiver, target, "move_sequence")
+    check_compatible(sender, receiver)
+    fits = -(-seq.length // receiver.config.page_size) <= receiver.num_available_pages()
+    if getattr(sender.config, "fp8_pages", False) and holds_no_token(receiver) and fits:  # codes move unchanged
+        for layer in range(sender.config.num_layers):
+            receiver.set_kv_scales(layer, *sender.kv_scales(layer))
     recv = prepare_receive(receiver, target, seq.length)
     with recv:
         send_sequence(sender, seq_id, recv)

@@ -26,6 +26,10 @@ Design (one query token per sequence, so the kernel is a pure stream over the se
   kv_chunk)`` with the same tiles, and writes its normalized float32 partial ``o`` and ``lse`` for
   ``merge_splits`` (docs/layout.md, "Split decode"). The runtime chooses the split per step
   (:mod:`tvmkv.runtime.decode_split`).
+* fp8 pages (:mod:`tvmkv.tir.fp8`): rows of 8 codes (8-byte ``cp.async.ca``); each key's and each
+  value's codes of a lane are converted once, two at a time (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``,
+  then widened to fp32), and used by all ``GQ`` query heads (the P V product runs key by key after the
+  tile's probabilities); half the bytes per tile of 16-bit pages (``decode_layout.FP8_LOAD_BYTES``).
 * ``sliding``: only valid slots are visited (the sink ``[0, sink_end)`` then ``[window_start,
   kv_len)``), so a window costs only its size. ``inline_rope``: q is rotated once at load; a key's
   rotate-half partner element lives in lane ``lt ^ TPK/2`` of the same sub-warp (one shuffle).
@@ -43,8 +47,8 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
-from .decode_layout import DEFAULT_WARPS, LOAD_BYTES, MERGE_MAX_SPLITS, REG_FLOATS, WARP, decode_layout
-from .fp8 import kv_scale_buffer, page_code, page_value, times_key_scale, times_value_scale
+from .decode_layout import DEFAULT_WARPS, MERGE_MAX_SPLITS, REG_FLOATS, WARP, decode_layout
+from .fp8 import PAIR_TO_HALF2, kv_scale_buffer, page_code, page_value, times_key_scale, times_value_scale
 from .spec import KernelSpec, dtype_bytes
 
 DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
@@ -67,7 +71,7 @@ TILE = slots("m_new", "base", "alpha", "p")
 MERGE = slots("m_new", "base", "alpha", "beta")
 FINAL = slots("m", "base", "l_sum", "w")
 # the thread's coordinates and local buffers, passed to the helper macros
-DecodeThread = namedtuple("DecodeThread", "hk w sub lt tx seq pid kb vb stg Qr O m l_sum S st kr fr acc")
+DecodeThread = namedtuple("DecodeThread", "hk w sub lt tx seq pid kb vb stg Qr O m l_sum S st kr fr acc kb2 vb2 vr h2")
 
 
 def make_paged_decode_cuda(
@@ -80,7 +84,7 @@ def make_paged_decode_cuda(
     double_buffer: bool = False,
     max_tpk: int = WARP,
     reg_floats: int = REG_FLOATS,
-    load_bytes: int = LOAD_BYTES,
+    load_bytes: int | None = None,
     stages: int = DEFAULT_STAGES,
     split: bool = False,
     merge: bool = False,
@@ -114,6 +118,7 @@ def make_paged_decode_cuda(
     # fp8 pages (tvmkv.tir.fp8): K / V registers hold codes, converted where they are used; the K scale
     # joins q's factor, the V scale the output; the new token's K / V are quantized as append stores them
     scale = kv_scale_buffer(spec)
+    packed = spec.fp8_pages and E % 2 == 0  # codes converted in pairs (fp8.PAIR_TO_HALF2)
     NC = E // VEC  # vector loads (16 bytes; fp8 pages 8) per lane per key row
     NGB = group // GQ  # blocks per kv head
     NT = NW * WARP
@@ -232,6 +237,15 @@ def make_paged_decode_cuda(
                     th.vb[0, u, c * VEC + v] = th.stg[s, u, 1, c, th.tx, v]
 
     @macro
+    def widen(th, pairs, buf, u, out):
+        # fp8 pages: key u's E codes of this lane (read as E / 2 code pairs) -> out[e] float32, one
+        # conversion per pair (the fp16 halves widen exactly)
+        for c in T.unroll(E // 2):
+            T.ptx[PAIR_TO_HALF2[page_dtype]](th.h2[0], pairs[buf, u, c])
+            out[2 * c] = T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", th.h2[0] & T.uint32(0xFFFF))))
+            out[2 * c + 1] = T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", th.h2[0] >> T.uint32(16))))
+
+    @macro
     def compute_tile(th, buf, t):
         seq = T.meta_var(th.seq)
         st = T.meta_var(th.st)
@@ -239,9 +253,12 @@ def make_paged_decode_cuda(
         acc = T.meta_var(th.acc)
         # scores S[g, u] (reduced over the TPK lanes of a key; -inf past the end)
         for u in T.unroll(U):
-            if rope:
+            if packed:
+                widen(th, th.kb2, buf, u, kr)
+            elif rope:
                 for e in T.unroll(E):
                     kr[e] = page_value(spec, th.kb[buf, u, e])
+            if rope:
                 for e in T.unroll(E):
                     acc[0] = shfl_xor(T.uint32(FULL), kr[e], HT, WARP)
                     st[ROTATE.angle] = (
@@ -255,7 +272,7 @@ def make_paged_decode_cuda(
             for g in T.unroll(GQ):
                 acc[0] = T.float32(0)
                 for e in T.unroll(E):
-                    if rope:
+                    if rope or packed:
                         acc[0] = acc[0] + th.Qr[g, e] * kr[e]
                     else:
                         acc[0] = acc[0] + th.Qr[g, e] * page_value(spec, th.kb[buf, u, e])
@@ -274,9 +291,18 @@ def make_paged_decode_cuda(
             for u in T.unroll(U):
                 st[TILE.p] = T.exp2(th.S[g, u] - st[TILE.base])
                 th.l_sum[g] = th.l_sum[g] + st[TILE.p]
-                for e in T.unroll(E):
-                    th.O[g, e] = th.O[g, e] + st[TILE.p] * page_value(spec, th.vb[buf, u, e])
+                if packed:  # P V below, each value row widened once for all GQ heads
+                    th.S[g, u] = st[TILE.p]
+                else:
+                    for e in T.unroll(E):
+                        th.O[g, e] = th.O[g, e] + st[TILE.p] * page_value(spec, th.vb[buf, u, e])
             th.m[g] = st[TILE.m_new]
+        if packed:
+            for u in T.unroll(U):
+                widen(th, th.vb2, buf, u, th.vr)
+                for g in T.unroll(GQ):
+                    for e in T.unroll(E):
+                        th.O[g, e] = th.O[g, e] + th.S[g, u] * th.vr[e]
 
     @macro
     def store(ch, b, h, d, value, lse_value):
@@ -424,6 +450,10 @@ def make_paged_decode_cuda(
         pid = T.alloc_buffer((NB, U), "int32", scope="local")  # page id of each key of the tile
         kb = T.alloc_buffer((NB, U, E), page_dtype, scope="local")
         vb = T.alloc_buffer((NB, U, E), page_dtype, scope="local")
+        kb2 = T.decl_buffer((NB, U, E // 2), "uint16", data=kb.data, scope="local")  # fp8: code pairs
+        vb2 = T.decl_buffer((NB, U, E // 2), "uint16", data=vb.data, scope="local")
+        vr = T.alloc_buffer((E,), "float32", scope="local")  # fp8: a value row widened
+        h2 = T.alloc_buffer((1,), "uint32", scope="local")  # fp8: two fp16 of a converted pair
         Qr = T.alloc_buffer((GQ, E), "float32", scope="local")  # q * sm_scale * log2(e), rotated
         O = T.alloc_buffer((GQ, E), "float32", scope="local")
         m = T.alloc_buffer((GQ,), "float32", scope="local")
@@ -454,6 +484,10 @@ def make_paged_decode_cuda(
                 kr=kr,
                 fr=fr,
                 acc=acc,
+                kb2=kb2,
+                vb2=vb2,
+                vr=vr,
+                h2=h2,
             )
         )
 

@@ -4,8 +4,8 @@
 A page element holds ``quantize(x / s)`` for the token's value ``x`` (computed in fp32) and the scale
 ``s = kv_scale[kv, hk]`` of its layer, K or V (``kv`` 0 or 1) and KV head; reading it gives
 ``dequantize(code) * s``. Quantization rounds to nearest (ties to even) and saturates at the format's
-largest finite value (448 for e4m3fn, 57344 for e5m2): a value beyond it is stored as that value, never
-as infinity or NaN.
+largest finite value (448 for e4m3fn, 57344 for e5m2): a value beyond it (infinity too) is stored as
+that value, never as infinity; NaN is stored as NaN (code 0x7F), as with 16-bit pages.
 
 Attention kernels never multiply a key or a value by its scale: ``q . (s_k k) = (s_k q) . k``, so
 the K scale joins ``sm_scale`` where q is loaded, and ``sum_j p_j (s_v v_j) = s_v sum_j p_j v_j``, so
@@ -31,6 +31,9 @@ from .spec import KernelSpec
 
 # format -> (mantissa bits, exponent bias, largest finite value)
 FORMATS = {"float8_e4m3fn": (3, 7, 448.0), "float8_e5m2": (2, 15, 57344.0)}
+# cuda (sm_89 / sm_90): the instruction converting two codes (a uint16, low byte first) into two fp16
+# (a uint32, low half first), exact: the kernels that read many codes convert them in pairs
+PAIR_TO_HALF2 = {"float8_e4m3fn": "cvt.rn.f16x2.e4m3x2", "float8_e5m2": "cvt.rn.f16x2.e5m2x2"}
 
 
 def _f32_bits(x: float) -> int:
@@ -38,9 +41,11 @@ def _f32_bits(x: float) -> int:
 
 
 def quantize(x, fmt: str, cpu: bool):
-    """fp8 code (dtype ``fmt``) of the fp32 expression ``x``: round to nearest even, saturating."""
+    """fp8 code (dtype ``fmt``) of the fp32 expression ``x``: round to nearest even, saturating; NaN
+    stays NaN (code 0x7F)."""
     mant, bias, largest = FORMATS[fmt]
-    x = T.max(T.min(x, T.float32(largest)), T.float32(-largest))
+    nan = T.isnan(x)
+    x = T.if_then_else(nan, x, T.max(T.min(x, T.float32(largest)), T.float32(-largest)))
     if not cpu:
         return T.Cast(fmt, x)
     drop = 23 - mant  # fp32 mantissa bits the code does not keep
@@ -56,11 +61,13 @@ def quantize(x, fmt: str, cpu: bool):
     c = 2.0 ** (1 - bias - mant + 23)
     sub = T.reinterpret("uint32", T.reinterpret("float32", mag) + T.float32(c)) - T.uint32(_f32_bits(c))
     code = T.if_then_else(mag < T.uint32(_f32_bits(2.0 ** (1 - bias))), sub, normal)
+    code = T.if_then_else(nan, T.uint32(0x7F), code)
     return T.reinterpret(fmt, T.Cast("uint8", code | sign))
 
 
 def dequantize(code, fmt: str, cpu: bool):
-    """fp32 value of the fp8 ``code`` (exact: every fp8 value is an fp32 value)."""
+    """fp32 value of the fp8 ``code`` (exact: every fp8 value is an fp32 value; NaN codes give NaN,
+    e5m2's infinities infinity)."""
     if not cpu:
         return T.Cast("float32", code)
     mant, bias, _ = FORMATS[fmt]
@@ -68,6 +75,11 @@ def dequantize(code, fmt: str, cpu: bool):
     # the code's exponent and mantissa bits moved to fp32's places: a number 2^(127 - bias) too small
     # (a subnormal code becomes an fp32 subnormal with the same ratio), then scaled back
     mag = T.reinterpret("float32", (u & T.uint32(0x7F)) << T.uint32(23 - mant)) * T.float32(2.0 ** (127 - bias))
+    if fmt == "float8_e4m3fn":  # one NaN (all bits but the sign set), no infinity
+        mag = T.if_then_else((u & T.uint32(0x7F)) == T.uint32(0x7F), T.float32(float("nan")), mag)
+    else:  # e5m2: exponent all ones is infinity (mantissa 0) or NaN
+        mag = T.if_then_else((u & T.uint32(0x7F)) >= T.uint32(0x7C), T.float32(float("inf")), mag)
+        mag = T.if_then_else((u & T.uint32(0x7F)) > T.uint32(0x7C), T.float32(float("nan")), mag)
     return T.if_then_else(u >= T.uint32(0x80), -mag, mag)
 
 

@@ -55,7 +55,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro, slots
 from .attention import paged_prefill_func, ragged_prefill_func
-from .fp8 import kv_scale_buffer, times_key_scale, times_value_scale
+from .fp8 import PAIR_TO_HALF2, kv_scale_buffer, times_key_scale, times_value_scale
 from .spec import KernelSpec
 
 DEFAULT_WARPS = 4
@@ -123,7 +123,9 @@ SMEM_ROWS = 4 * BC  # two stages of K and V
 # binary search for b
 BLOCK = slots("b", "lt", "t0", "ntok", "kv_len", "kbase", "nkt", "kfull", "qbase", "lo", "hi", "ntile")
 # the thread's coordinates and local buffers, passed to the helper macros
-PrefillThread = namedtuple("PrefillThread", "tx lane hk sv sm pid qf kf vf pf s o_acc m lsum mx base alpha sl2 rpos")
+PrefillThread = namedtuple(
+    "PrefillThread", "tx lane hk sv sm pid qf kf vf pf s o_acc m lsum mx base alpha sl2 rpos sm_pairs c8 c8_pairs h4 f2"
+)
 
 
 def tile_start(q_indptr_b, b, RT):
@@ -410,10 +412,22 @@ def make_prefill_cuda(
         for i in T.unroll(KVI):
             kr, kc = T.meta_var(kv_rc(tx, i, NT, CPR))
             j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
-            if fp8:
-                for e in T.unroll(8):
-                    sm[k_row(st, kr), swz(kr, kc) + e] = T.Cast(dtype, pages[pid[i], 0, hk, j & PMASK, kc * 8 + e])
-                    sm[v_row(st, kr), swz(kr, kc) + e] = T.Cast(dtype, pages[pid[i], 1, hk, j & PMASK, kc * 8 + e])
+            if fp8:  # 8 codes in one load, converted in pairs, 16 bytes stored
+                for kv in T.unroll(2):
+                    for e in T.vectorized(8):
+                        th.c8[e] = pages[pid[i], kv, hk, j & PMASK, kc * 8 + e]
+                    for c in T.unroll(4):
+                        T.ptx[PAIR_TO_HALF2[spec.page_dtype]](th.h4[c], th.c8_pairs[c])
+                        if dtype == "bfloat16":  # fp16 pair -> bf16 pair (exact: fp8 values fit both)
+                            th.f2[0] = T.Cast(
+                                "float32", T.reinterpret("float16", T.Cast("uint16", th.h4[c] >> T.uint32(16)))
+                            )
+                            th.f2[1] = T.Cast(
+                                "float32", T.reinterpret("float16", T.Cast("uint16", th.h4[c] & T.uint32(0xFFFF)))
+                            )
+                            T.ptx[cvt](th.h4[c], th.f2[0], th.f2[1])
+                    for c in T.vectorized(4):
+                        th.sm_pairs[k_row(st, kr) + kv * BC, swz(kr, kc) // 2 + c] = th.h4[c]
             elif paged:
                 T.ptx[CP16](
                     sm.ptr_to([k_row(st, kr), swz(kr, kc)]), pages.ptr_to([pid[i], 0, hk, j & PMASK, kc * 8]), 16
@@ -540,6 +554,12 @@ def make_prefill_cuda(
         pf32 = T.alloc_buffer((2,), "float32", scope="local")
         rinv = T.alloc_buffer((2,), "float32", scope="local")
         pk = T.alloc_buffer((1,), "uint32", scope="local")
+        # fp8 pages: shared rows as element pairs, a row chunk's 8 codes (and as 4 code pairs), converted
+        sm_pairs = T.decl_buffer((SMEM_ROWS, D // 2), "uint32", data=sm_raw.data, scope="shared.dyn")
+        c8 = T.alloc_buffer((8,), spec.page_dtype, scope="local")
+        c8_pairs = T.decl_buffer((4,), "uint16", data=c8.data, scope="local")
+        h4 = T.alloc_buffer((4,), "uint32", scope="local")
+        f2 = T.alloc_buffer((2,), "float32", scope="local")
         o_pairs = T.decl_buffer((n * H_qo * D // 2,), "uint32", data=o.data)  # o as packed element pairs
         th = T.meta_var(
             PrefillThread(
@@ -562,6 +582,11 @@ def make_prefill_cuda(
                 alpha=alpha,
                 sl2=sl2,
                 rpos=rpos,
+                sm_pairs=sm_pairs,
+                c8=c8,
+                c8_pairs=c8_pairs,
+                h4=h4,
+                f2=f2,
             )
         )
 
