@@ -397,15 +397,15 @@ def test_fp8_needle_in_32k_context(target):
 
 
 @pytest.mark.parametrize("fmt", FP8_DTYPES)
-def test_fp8_decode_layer_in_one_launch(target, fmt, rng):
-    """cuda's decode layer in one launch (``paged_decode_append``, split or not) over fp8 pages: the new
-    token's K/V land as the codes ``append`` would store, and the output is attention over the
-    dequantized pages holding them, though their slots held NaN codes when the kernel started."""
+def test_fp8_decode_layer_as_the_runtime_launches_it(target, fmt, rng):
+    """A decode layer over fp8 pages as the runtime launches it: ``split_rope_append`` (q out, the new
+    token's K/V quantized into its slot, the codes ``append`` stores) then ``paged_decode`` (and the
+    split decode merged by ``merge_splits``): attention over the dequantized pages holding the new
+    token, though its slots held NaN codes before. fp8 kernel sets have no one-launch
+    ``paged_decode_append`` (slower for them than the two launches)."""
     spec = _spec(target, fmt)
     lib = load_kernels(spec, rope_mode="none")
-    if "paged_decode_append" not in lib:
-        assert target == "llvm"  # the CPU runs append + paged_decode
-        pytest.skip("no append-fused decode on llvm")
+    assert "paged_decode_append" not in lib and "paged_decode_append_split" not in lib
     scale = _scales(rng)
     kv_lens = [1, P, 2 * P + 3, 37, 300]  # the new token is each sequence's last slot
     B = len(kv_lens)
@@ -423,20 +423,21 @@ def test_fp8_decode_layer_in_one_launch(target, fmt, rng):
     stale = want.copy()
     stale[slot // P, :, :, slot % P] = NAN_CODE
     tables = [to_dev(a, target) for a in tab.tables()]
-    head = (to_dev(qkv, target), to_dev(q_pos, target))
+    dev_scale, dev_pos = to_dev(scale, target), to_dev(q_pos, target)
     for split in (False, True):
         pages = to_dev(stale.view(fp8_ref.np_dtype(fmt)), target)
+        q = to_dev(np.zeros((B, H_QO, D), np.float16), target)
+        lib["split_rope_append"](to_dev(qkv, target), dev_pos, q, pages, dev_scale, to_dev(slot, target), *ROPE)
+        assert np.array_equal(pages.numpy().view(np.uint8), want)
         o = to_dev(np.ones((B, H_QO, D), np.float16), target)
         lse = to_dev(np.zeros((B, H_QO), np.float32), target)
-        args = (*head, pages, to_dev(scale, target), *tables, to_dev(slot, target))
+        args = (q, dev_pos, pages, dev_scale, *tables)
         if split:
-            kv_chunk = 64
-            S = -(-max(kv_lens) // kv_chunk)
-            parts = (to_dev(np.full((S, B, H_QO, D), np.nan, np.float32), target),)
-            parts += (to_dev(np.full((S, B, H_QO), np.nan, np.float32), target),)
-            counter = to_dev(np.zeros(B * H_KV * 4, np.int32), target)
-            lib["paged_decode_append_split"](*args, *parts, counter, o, lse, sm_scale, *ROPE, kv_chunk)
+            S = -(-max(kv_lens) // 64)
+            o_part = to_dev(np.full((S, B, H_QO, D), np.nan, np.float32), target)
+            lse_part = to_dev(np.full((S, B, H_QO), np.nan, np.float32), target)
+            lib["paged_decode_split"](*args, o_part, lse_part, sm_scale, *ROPE, 64)
+            lib["merge_splits"](o_part, lse_part, o, lse)
         else:
-            lib["paged_decode_append"](*args, o, lse, sm_scale, *ROPE)
+            lib["paged_decode"](*args, o, lse, sm_scale, *ROPE)
         _check(o, lse, o_ref, lse_ref)
-        assert np.array_equal(pages.numpy().view(np.uint8), want)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro, qkv_view
-from .fp8 import kv_scale_buffer, page_code, store_lanes, with_kv_scale
+from .fp8 import FLOAT2_TO_PAIR, kv_scale_buffer, page_code, store_lanes, with_kv_scale
 from .spec import KernelSpec
 
 
@@ -111,4 +111,36 @@ def append_body(spec: KernelSpec, scale=None):
                                     pages[slot[i] // P, 0, h, slot[i] % P, c * V + e] = code(k[i, h, c * V + e], 0, h)
                                     pages[slot[i] // P, 1, h, slot[i] % P, c * V + e] = code(v[i, h, c * V + e], 1, h)
 
-    return cpu_body if spec.is_cpu else gpu_body
+    if spec.is_cpu:
+        return cpu_body
+    if not spec.fp8_pages or V % 2:
+        return gpu_body
+    to_pair = FLOAT2_TO_PAIR[spec.page_dtype]
+
+    @macro
+    def store_pairs(x, kv, i, h, c, pairs, page_pairs):
+        # fp8 pages: a thread's V elements of token i's K (kv 0) or V (1), quantized two per
+        # instruction, stored as one vector of code pairs
+        for p in T.unroll(V // 2):
+            T.ptx[to_pair](
+                pairs[p],
+                T.Cast("float32", x[i, h, c * V + 2 * p + 1]) / scale[kv, h],
+                T.Cast("float32", x[i, h, c * V + 2 * p]) / scale[kv, h],
+            )
+        for p in T.vectorized(V // 2):
+            page_pairs[((((slot[i] // P) * 2 + kv) * H + h) * P + slot[i] % P) * (D // 2) + c * (V // 2) + p] = pairs[p]
+
+    @macro
+    def gpu_pairs_body():
+        page_pairs = T.decl_buffer((1,), "uint16", data=pages.data)  # the pool as code pairs, flat
+        for i in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):  # max: no empty grid when n == 0
+            for hb in T.thread_binding(HB, thread="blockIdx.y"):
+                for hy in T.thread_binding(HY, thread="threadIdx.y"):
+                    for c in T.thread_binding(D // V, thread="threadIdx.x"):
+                        pairs = T.alloc_buffer((V // 2,), "uint16", scope="local")
+                        if i < n and hb * HY + hy < H:
+                            if slot[i] >= 0:
+                                store_pairs(k, 0, i, hb * HY + hy, c, pairs, page_pairs)
+                                store_pairs(v, 1, i, hb * HY + hy, c, pairs, page_pairs)
+
+    return gpu_pairs_body

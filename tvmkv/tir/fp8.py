@@ -34,6 +34,9 @@ FORMATS = {"float8_e4m3fn": (3, 7, 448.0), "float8_e5m2": (2, 15, 57344.0)}
 # cuda (sm_89 / sm_90): the instruction converting two codes (a uint16, low byte first) into two fp16
 # (a uint32, low half first), exact: the kernels that read many codes convert them in pairs
 PAIR_TO_HALF2 = {"float8_e4m3fn": "cvt.rn.f16x2.e4m3x2", "float8_e5m2": "cvt.rn.f16x2.e5m2x2"}
+# ... and two fp32 into two codes (upper byte from the first operand): round to nearest even,
+# saturating, NaN kept, as :func:`quantize` (the kernels that store many codes quantize in pairs)
+FLOAT2_TO_PAIR = {"float8_e4m3fn": "cvt.rn.satfinite.e4m3x2.f32", "float8_e5m2": "cvt.rn.satfinite.e5m2x2.f32"}
 
 
 def _f32_bits(x: float) -> int:
