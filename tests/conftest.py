@@ -46,6 +46,17 @@ def rng():
     return np.random.default_rng(0)
 
 
+def assert_attention_close(o_dev, lse_dev, o_ref, lse_ref, tol: float) -> None:
+    """A kernel's output ``o`` and base-2 ``lse`` (device tensors) against the fp64 reference's: rows
+    without keys (``lse`` -inf) exactly where the reference has them, the rest within ``tol``."""
+    o = o_dev.numpy().astype(np.float64)
+    lse = lse_dev.numpy().astype(np.float64)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), "rows without keys differ"
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=tol, rtol=tol)
+    np.testing.assert_allclose(o, o_ref, atol=tol, rtol=tol)
+
+
 def assert_sm90a_clean(funcs: dict, tmp_path, name: str) -> str:
     """Compile ``{name: PrimFunc}`` for cuda sm_90 and check that nvcc builds the source for sm_90a with
     ptxas reporting no spills in any kernel and no serialized wgmma pipeline (its C7514 note: a

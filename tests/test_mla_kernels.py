@@ -14,7 +14,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import to_dev
+from conftest import assert_attention_close, to_dev
 
 from tvmkv.build import BuildKey, load_kernels
 from tvmkv.reference import mla as ref
@@ -59,12 +59,7 @@ def _rand(rng, shape, dtype, scale=1.0):
 
 def _check(o_dev, lse_dev, o_ref, lse_ref, dtype):
     tol = _tol(dtype)
-    o = o_dev.numpy().astype(np.float64)
-    lse = lse_dev.numpy().astype(np.float64)
-    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), "rows without keys differ"
-    fin = np.isfinite(lse_ref)
-    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=tol, rtol=tol)
-    np.testing.assert_allclose(o, o_ref, atol=tol, rtol=tol)
+    assert_attention_close(o_dev, lse_dev, o_ref, lse_ref, tol)
 
 
 @pytest.fixture(params=CONFIGS, ids=IDS)
