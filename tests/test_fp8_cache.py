@@ -250,6 +250,15 @@ def test_fp8_checkpoints_and_transfers_carry_the_scales(fmt, rng):
     checkpoint.abort_import(calibrating, 1)
     assert calibrating.calibrating and np.array_equal(calibrating.kv_scales(1), np.ones((2, HKV), np.float32))
     calibrating.check_integrity()
+    # a move refused by the sender (a forward open) leaves an empty receiver's scales and calibration
+    receiver = _cache("llvm", fmt, calibrate=8)
+    fresh.add_sequence(7)
+    fresh.begin_forward([7], [1])
+    with pytest.raises(Exception, match="forward"):
+        transfer.move_sequence(fresh, 5, receiver, 2)
+    fresh.end_forward()
+    fresh.remove_sequence(7)
+    assert receiver.calibrating and np.array_equal(receiver.kv_scales(1), np.ones((2, HKV), np.float32))
     # a move into a cache holding no token gives it the sender's scales: the codes move unchanged
     receiver = _cache("llvm", fmt, calibrate=8)
     transfer.move_sequence(fresh, 5, receiver, 2)
@@ -306,9 +315,20 @@ def test_fp8_calibration_learns_the_scales_from_the_first_tokens(target, fmt, rn
             first = fp8_ref.dequantize(fp8_ref.quantize(x1[layer][:, lo : lo + HKV], s1[layer, kv], fmt), s1[layer, kv])
             want = _requantized(first.astype(np.float32), s2[layer, kv], fmt)
             np.testing.assert_allclose(got[layer], want, rtol=1e-6, atol=0)
-    _prefill(cache, rng, 1, 11, amp=0.5)  # 61 tokens: calibration ends with this forward
+    before = [cache.debug_get_kv(s) for s in (0, 1)]  # under s2, both sequences on the device
+    x3 = _prefill(cache, rng, 1, 11, amp=5.0)  # 61 tokens: calibration ends with this forward, raising s2
     assert not cache.calibrating
-    np.testing.assert_allclose(scales(), s2, rtol=0)
+    s3 = np.maximum(s2, np.stack([amax(x3, 0), amax(x3, 1)], axis=1) * 2 / largest)
+    np.testing.assert_allclose(scales(), s3, rtol=1e-6)
+    s3 = scales()
+    assert (s3 > s2).any()
+    for s, (k_old, v_old) in zip((0, 1), before):  # resident codes re-encoded from s2 to s3
+        k, v = cache.debug_get_kv(s, 0, k_old.shape[1])
+        for layer in range(L):
+            for kv, got, old in ((0, k, k_old), (1, v, v_old)):
+                want = _requantized(old[layer], s3[layer, kv], fmt)
+                np.testing.assert_allclose(got[layer], want, rtol=1e-6, atol=0)
+    s2 = s3
     cache.begin_forward([0], [1])
     qkv = (rng.standard_normal((1, HQ + 2 * HKV, D)) * 1e3).astype(np.float16)  # beyond the range: saturates
     o = np.asarray(cache.attention_with_fused_qkv(0, qkv), np.float64)
@@ -394,3 +414,56 @@ def test_fp8_nan_stays_nan_and_all_zero_heads_get_the_default_scale(rng):
     assert (v[:, :4, 0] == 0).all()
     stored, exact = v[0, 4, 0], later[0, HQ + HKV].astype(np.float32)
     np.testing.assert_allclose(stored, exact, rtol=2**-4, atol=2**-9)  # e4m3 rounding under scale 1.0
+
+
+def test_fp8_imports_into_a_calibrating_cache(rng):
+    """Codes moved into a cache while it calibrates are stored under its scales of the moment (a head
+    whose calibration saw only zeros first gets the default 1.0, so the moved values fit) and re-encoded
+    with the rest when a later calibrating forward raises the scales (NumPy references); the public
+    ``requantize_pages`` refuses bad arguments and changes nothing then."""
+    from tvmkv.runtime import transfer
+
+    fmt = "float8_e4m3fn"
+    cal = _cache("llvm", fmt, calibrate=64)
+    cal.add_sequence(0)
+    x = rng.standard_normal((4, HQ + 2 * HKV, D)).astype(np.float16)
+    x[:, HQ + HKV] = 0  # V of KV head 0: zeros so far
+    cal.begin_forward([0], [4])
+    for layer in range(L):
+        cal.attention_with_fused_qkv(layer, x)
+    cal.end_forward()
+    src = _cache("llvm", fmt, kv_scales=np.full((2, HKV), 0.02))
+    src.add_sequence(3)
+    _prefill(src, rng, 3, 5, amp=2.0)
+    k_src, v_src = src.debug_get_kv(3)
+    transfer.move_sequence(src, 3, cal, 9)  # cal holds tokens: the codes are re-encoded to its scales
+    assert cal.calibrating
+    moved = np.stack([cal.kv_scales(layer) for layer in range(L)])
+    assert (moved[:, 1, 0] == 1.0).all()
+    k, v = cal.debug_get_kv(9)
+    for layer in range(L):
+        np.testing.assert_allclose(k[layer], _requantized(k_src[layer], moved[layer, 0], fmt), rtol=1e-6, atol=0)
+        np.testing.assert_allclose(v[layer], _requantized(v_src[layer], moved[layer, 1], fmt), rtol=1e-6, atol=0)
+    k_mid, v_mid = k, v
+    _prefill(cal, rng, 0, 2, amp=300.0)  # still calibrating: the scales grow over the moved codes
+    grown = np.stack([cal.kv_scales(layer) for layer in range(L)])
+    assert (grown > moved).all()
+    k, v = cal.debug_get_kv(9)
+    for layer in range(L):
+        np.testing.assert_allclose(k[layer], _requantized(k_mid[layer], grown[layer, 0], fmt), rtol=1e-6, atol=0)
+        np.testing.assert_allclose(v[layer], _requantized(v_mid[layer], grown[layer, 1], fmt), rtol=1e-6, atol=0)
+    pages = cal.sequence_pages(9)
+    free = next(p for p in range(cal.config.total_pages) if cal.pool.ref_count(p) == 0)
+    for args, err, match in (
+        ((0, pages, [[1.0] * HKV]), ValueError, "from_scales"),
+        ((0, pages, [[1.0] * HKV, [1.0, 2.0, 3.0]]), ValueError, "from_scales"),
+        ((0, pages, [[1.0] * HKV, [-1.0] * HKV]), ValueError, r"from_scales\[1\] \(V\)"),
+        ((0, [free], np.ones((2, HKV))), ValueError, "held"),
+        ((0, pages[:1] * 2, np.ones((2, HKV))), ValueError, "distinct"),
+        ((0, None, np.ones((2, HKV))), TypeError, "page_ids"),
+        ((L, pages, np.ones((2, HKV))), ValueError, "out of range"),
+    ):
+        with pytest.raises(err, match=match):
+            cal.requantize_pages(*args)
+    assert np.array_equal(np.stack(cal.debug_get_kv(9)), np.stack([k, v]))
+    cal.check_integrity()

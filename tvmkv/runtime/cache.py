@@ -90,8 +90,9 @@ class PagedAttentionKVCache:
         fp8 pages only, instead of ``kv_scales``: learn every layer's scales from the K/V of the first
         ``calibrate`` tokens appended, ``HEADROOM * max|x| / largest`` per layer, K or V and KV head
         (:mod:`tvmkv.runtime.kv_scales`); codes stored while a scale grows are re-encoded. Calibrating
-        forwards copy their new K/V to the host (a device sync per layer) and cannot be captured in a
-        CUDA graph; after ``calibrate`` tokens the scales are fixed. Default 0: no calibration.
+        forwards copy their new K/V to the host (a device sync per layer), refuse non-finite K/V
+        (ValueError, nothing stored) and cannot be captured in a CUDA graph; after ``calibrate``
+        tokens the scales are fixed. Default 0: no calibration.
     rope_mode : str
         "none", "normal" (K stored rotated) or "inline" (K stored raw, rotated in the kernels).
     rope_scale, rope_theta : float
@@ -231,7 +232,7 @@ class PagedAttentionKVCache:
             table = kv.table(kv_scales, "kv_scales")
             for layer in range(config.num_layers):
                 kv.set(layer, table[layer])
-        if calibrate is not None and calibrate is not False and calibrate != 0:
+        if not (calibrate is None or (type(calibrate) is int and calibrate == 0)):  # the rest is validated there
             self._start_calibration(calibrate, kv_scales)
 
     @classmethod
@@ -299,7 +300,7 @@ class PagedAttentionKVCache:
         self.pages = [tvm.runtime.tensor(zeros, device) for _ in range(cfg.num_layers)]
         # fp8 pages: each layer's kv_scale [2, H_kv] (docs/layout.md, "fp8 pages"), passed after its pages
         self._kv = KvScales(cfg, device) if cfg.fp8_pages else None
-        self._calibrating = False  # the open forward's appends calibrate the scales (KvScales.calibrating)
+        self._calibrating = False  # a copy of KvScales.calibrating, kept current (read on every attention call)
         self._swapped_scales: dict = {}  # swapped-out seq id -> scales its host codes were stored under
         scales = self._kv.tensors if self._kv is not None else []
         # what every page-reading or -writing launch of a layer takes where the layout says "pages"
@@ -1062,7 +1063,8 @@ class PagedAttentionKVCache:
         if self._calibrating:
             kv = self._require_fp8("end_forward")
             if self._step in self._ran:  # a forward that appended: its tokens count
-                kv.count(self._fwd.total)
+                for layer, old in kv.count(self._fwd.total):  # heads of zeros given the default scale
+                    self._requantize(layer, np.flatnonzero(self.pool.ref_counts() > 0), old)
             self._calibrating = kv.calibrating
         self._fwd = None
 
@@ -1285,7 +1287,8 @@ class PagedAttentionKVCache:
         with an equal key (same kernels and launch parameters, index arrays uploaded to the same device
         memory), whatever its sequences, lengths and page tables. :class:`tvmkv.runtime.graphs.StepGraphs`
         keeps one graph per key. ValueError once a call of the forward has used device memory a replay would
-        not refresh (the history page tables of ``cross_attention(include_new=False)``)."""
+        not refresh (the history page tables of ``cross_attention(include_new=False)``), and while the fp8
+        scales calibrate (``calibrate``: those forwards read K/V back to the host)."""
         fwd = self._fwd
         if fwd is None:
             raise ForwardStateError("graph_key called outside begin_forward/end_forward")
@@ -1384,20 +1387,25 @@ class PagedAttentionKVCache:
         which a calibration (``calibrate``) that raises the scales later re-encodes with the rest."""
         kv = self._require_fp8("requantize_pages")
         layer = self._layer(layer_id)
-        src = (
-            kv.table(from_scales, "from_scales")[0] if np.shape(from_scales) == (2, self.config.num_kv_heads) else None
-        )
-        if src is None:
+        try:
+            rows = [from_scales[0], from_scales[1]] if len(from_scales) == 2 else None
+        except (TypeError, KeyError, IndexError):
+            rows = None
+        if rows is None:
             raise ValueError(
-                f"from_scales has shape {np.shape(from_scales)}; pass [2, num_kv_heads] = "
-                f"(2, {self.config.num_kv_heads}), the scales the pages' codes were stored under"
+                f"from_scales={from_scales!r} must be [2, num_kv_heads] = (2, {self.config.num_kv_heads}): the K and "
+                "V scales the pages' codes were stored under"
             )
+        src = np.stack([kv.row(rows[0], "from_scales[0] (K)"), kv.row(rows[1], "from_scales[1] (V)")])
         if isinstance(page_ids, (str, bytes)) or not hasattr(page_ids, "__iter__"):
             raise TypeError(f"page_ids must be a list of page ids, not {type(page_ids).__name__}")
         ids = np.asarray([as_int(p, "page_ids[i]") for p in page_ids], np.int64)
         total = self.config.total_pages
         if len(set(ids.tolist())) != len(ids) or any(not 0 <= p < total or self.pool.ref_count(p) < 1 for p in ids):
             raise ValueError(f"page_ids {ids[:8].tolist()} must be distinct page ids in [0, {total}) that are held")
+        old = kv.unfloor(layer)  # a head whose calibration saw only zeros: not a scale for these codes
+        if old is not None:  # (the listed pages hold codes under from_scales, converted next)
+            self._requantize(layer, np.setdiff1d(np.flatnonzero(self.pool.ref_counts() > 0), ids), old)
         self._requantize(layer, ids, src)
         kv.stored_elsewhere()
 

@@ -13,8 +13,11 @@ and KV head the scale is ``HEADROOM * amax / largest``, ``amax`` the largest mag
 for e4m3fn, 57344 for e5m2); ``HEADROOM`` leaves room for later tokens a little larger than the
 calibration tokens before they saturate. When a later calibration forward raises a scale, the codes
 already stored under the smaller one are re-encoded under the new one (one more rounding of those
-tokens; the cache runs ``requantize_pages``). After ``N`` tokens the scales are fixed. This module
-decides; the cache launches.
+tokens; the cache runs ``requantize_pages``). After ``N`` tokens the scales are fixed; a head whose
+calibration K or V were all zeros then gets the default scale 1.0. Codes imported into a calibrating
+cache (checkpoints, transfers) are stored under its scales of the moment, which from then on only grow.
+Non-finite K/V in a calibrating forward are refused (ValueError). This module decides; the cache
+launches.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ class KvScales:
         self.seen = 0  # tokens appended while calibrating
         self._fixed = [calibrate == 0] * config.num_layers  # layers whose scales calibration leaves alone
         self._stored = [False] * config.num_layers  # calibrating layers holding codes under their scales
-        self.version = 0  # counts every change of any scale
 
     # ---------------------------------------------------------------- reading and setting
     def get(self, layer: int) -> np.ndarray:
@@ -60,7 +62,6 @@ class KvScales:
         self.tensors[layer].copyfrom(scales)
         self._host[layer] = scales.copy()
         self._fixed[layer] = self._fixed[layer] or fixed
-        self.version += 1
 
     def row(self, value, name: str) -> np.ndarray:
         """``value`` (a float or ``[H_kv]`` of them) as float32 ``[H_kv]``: positive, finite, normal."""
@@ -107,8 +108,8 @@ class KvScales:
 
     # ---------------------------------------------------------------- calibration
     def start_calibration(self, tokens: int) -> None:
-        """Calibrate every layer's scales from the first ``tokens`` tokens appended (no token is stored
-        yet: the cache checks)."""
+        """Calibrate every layer's scales from the first ``tokens`` tokens appended (the cache starts it
+        at construction, before any token is stored)."""
         self.calibrate, self.seen = tokens, 0
         self._fixed = [False] * len(self._fixed)
         self._stored = [False] * len(self._stored)
@@ -138,19 +139,31 @@ class KvScales:
         self.set(layer, new, fixed=False)
         return cur if stored else None  # (before its first observation a layer holds no codes)
 
-    def count(self, tokens: int) -> None:
+    def count(self, tokens: int) -> list:
         """Count ``tokens`` appended by a forward that calibrated. When that ends the calibration, a
         head whose calibration K or V was all zeros (its scale still the floor) gets the default scale
-        1.0: its codes are all zero, which mean zero under any scale."""
+        1.0. Returns ``[(layer, old scales)]`` of the layers changed so: codes stored under the old
+        scales (zeros, or an import's) must be re-encoded."""
         self.seen += tokens
         if self.calibrating:
-            return
-        for layer, cur in enumerate(self._host):
-            unseen = cur == np.float32(_FLOOR)
-            if unseen.any() and not self._fixed[layer]:
-                self.set(layer, np.where(unseen, np.float32(1.0), cur).astype(np.float32))
+            return []
+        changed = [(layer, self.unfloor(layer)) for layer in range(len(self._host))]
+        return [(layer, old) for layer, old in changed if old is not None]
+
+    def unfloor(self, layer: int):
+        """Give layer ``layer``'s heads still at the floor scale (all their calibration K or V zeros)
+        the default scale 1.0, before calibration ends or codes of other values are imported under
+        them. Returns the old scales when any changed (codes stored under them must be re-encoded:
+        zeros, which stay zeros), else None."""
+        cur = self._host[layer]
+        unseen = cur == np.float32(_FLOOR)
+        if not unseen.any() or self._fixed[layer]:
+            return None
+        self.set(layer, np.where(unseen, np.float32(1.0), cur).astype(np.float32), fixed=False)
+        return cur
 
     def stored_elsewhere(self) -> None:
         """Codes were stored under the current scales outside calibration (an import): calibrating
-        layers must re-encode them when their scales grow."""
+        layers must re-encode them when their scales grow, so from now on their scales only grow (an
+        import into a fresh calibrating cache keeps its scales at 1.0 or above)."""
         self._stored = [True] * len(self._stored)

@@ -5,7 +5,8 @@
 :class:`Forward`: the device views of its uploaded index arrays and every kernel argument except the
 layer's pages, qkv, the output and ``sm_scale``. :func:`run_layer` then launches a layer with O(1)
 Python work: split/rotate, append, attention (and the merge of a split decode's chunks) — on cuda a
-decode layer is one launch (``paged_decode_append``: all of it in one kernel, docs/layout.md "Fused
+decode layer is one launch where the library has ``paged_decode_append`` (all of it in one kernel; fp8
+kernel sets do not: split_rope_append + the decode kernel; docs/layout.md "Fused
 qkv"), and a split decode merges its chunks in the same kernel (``paged_decode_split_merge``); a
 causal prefill in rope mode "none" splits nothing: the attention's ``*_qkv`` kernel reads q (ragged: q,
 k and v) from qkv in place, and ``append_qkv`` stores the new K/V from qkv (the ragged kernel stores

@@ -177,6 +177,7 @@ def move_sequence(sender, seq_id, receiver, receiver_seq_id=None, *, remove: boo
     target = check_id(seq_id) if receiver_seq_id is None else receiver_seq_id
     check_new_id(receiver, target, "move_sequence")
     check_compatible(sender, receiver)
+    sender.require_no_forward("send_sequence")  # (what send_sequence checks, before the scales change)
     fits = -(-seq.length // receiver.config.page_size) <= receiver.num_available_pages()
     if getattr(sender.config, "fp8_pages", False) and holds_no_token(receiver) and fits:  # codes move unchanged
         for layer in range(sender.config.num_layers):

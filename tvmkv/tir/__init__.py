@@ -107,9 +107,8 @@ def kernel_set(
             f = decode.make_paged_decode_append(
                 spec, sliding=sliding, inline_rope=inline, rotate=rope_mode == "normal", split=split
             )
-            # cuda, fast decode layout; fp8 pages run split_rope_append + paged_decode instead: measured on
-            # an H200, the fused kernel's new-token path costs them more than the launch it saves
-            if f is not None and kernels["paged_decode_split"] is not None and not spec.fp8_pages:
+            # cuda, fast decode layout, 16-bit pages (fp8 pages: None, split_rope_append + paged_decode)
+            if f is not None and kernels["paged_decode_split"] is not None:
                 kernels[name] = f
     if rope_mode == "none":  # prefill reading q / k / v from the fused qkv in place (no split_rope)
         kernels["append_qkv"] = append.make_append(spec, fused_qkv=True)

@@ -118,8 +118,9 @@ def make_paged_decode_append(
     spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False, rotate: bool = False, split: bool = False
 ):
     """A decode step's whole layer in one launch: ``split_rope_append`` folded into ``paged_decode``
-    (``split``: into ``paged_decode_split_merge``). cuda with the fast decode layout only; ``None``
-    elsewhere (the runtime then launches ``split_rope_append`` and the attention kernel).
+    (``split``: into ``paged_decode_split_merge``). cuda with the fast decode layout and 16-bit pages
+    only; ``None`` elsewhere (the runtime then launches ``split_rope_append`` and the attention kernel).
+    fp8 pages: the two launches are faster (measured on an H200, bench/RESULTS.md "fp8 pages").
 
     One block per (sequence, kv head) stores the new token's k (rotated by its position when
     ``rotate``: rope mode "normal", as ``split_rope`` does) and v at its slot; every block reads q and
@@ -139,7 +140,7 @@ def make_paged_decode_append(
     o, lse, sm_scale, rope_scale, rope_theta, kv_chunk (``split`` only)
         As :func:`make_paged_decode` / :func:`make_paged_decode_split`.
     """
-    if spec.target_kind != "cuda":
+    if spec.target_kind != "cuda" or spec.fp8_pages:
         return None
     from .decode_cuda import make_paged_decode_cuda
 

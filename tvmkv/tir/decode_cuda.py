@@ -118,7 +118,7 @@ def make_paged_decode_cuda(
     # fp8 pages (tvmkv.tir.fp8): K / V registers hold codes, converted where they are used; the K scale
     # joins q's factor, the V scale the output; the new token's K / V are quantized as append stores them
     scale = kv_scale_buffer(spec)
-    packed = spec.fp8_pages and E % 2 == 0  # codes converted in pairs (fp8.PAIR_TO_HALF2)
+    packed = spec.fp8_pages  # codes converted in pairs (fp8.PAIR_TO_HALF2; E is a multiple of VEC = 8)
     NC = E // VEC  # vector loads (16 bytes; fp8 pages 8) per lane per key row
     NGB = group // GQ  # blocks per kv head
     NT = NW * WARP

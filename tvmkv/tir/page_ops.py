@@ -313,7 +313,8 @@ def make_requantize_pages(spec: KernelSpec):
     Re-encode the codes of whole pages stored under the scales ``from_scale`` to the layer's scales
     ``kv_scale`` (docs/layout.md, "fp8 pages"): each element becomes the code of
     ``dequantize(code) * from_scale[kv, h] / kv_scale[kv, h]``, rounded and saturated as
-    :func:`tvmkv.tir.fp8.quantize` does (equal scales give every code back unchanged). The cache runs
+    :func:`tvmkv.tir.fp8.quantize` does (equal scales give every finite code back unchanged; NaN stays
+    NaN, e5m2's infinities saturate). The cache runs
     it when a layer's scales grow during calibration and when imported pages were stored under other
     scales.
 
