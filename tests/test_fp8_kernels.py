@@ -441,3 +441,36 @@ def test_fp8_decode_layer_as_the_runtime_launches_it(target, fmt, rng):
         else:
             lib["paged_decode"](*args, o, lse, sm_scale, *ROPE)
         _check(o, lse, o_ref, lse_ref)
+
+
+def test_fp8_decode_with_inline_rope_and_window(target, rng):
+    """The decode over fp8 pages with inline RoPE (each key rotated after its codes are widened) and a
+    sliding window with attention sink (only visited slots read), unsplit and split + merged, against the
+    fp64 reference over the dequantized values."""
+    fmt = "float8_e4m3fn"
+    lib = load_kernels(_spec(target, fmt), rope_mode="inline", sliding=True)
+    scale = _scales(rng)
+    kv_lens = [1, 33, 70, 300]
+    tab = Table(rng, kv_lens, fmt, scale)
+    tab.kv_window[2] = (2, 40, 11)  # sink 2 slots, window from slot 40, positions shifted by 11
+    tab.kv_window[3] = (4, 150, 30)
+    B = len(kv_lens)
+    q = rng.standard_normal((B, H_QO, D)).astype(np.float16)
+    q_pos = np.array([n - 1 + w[2] for n, w in zip(kv_lens, tab.kv_window, strict=True)], np.int32)
+    sm_scale = 1.0 / math.sqrt(D)
+    o_ref, lse_ref = ref.paged_decode(
+        q, q_pos, tab.values, *tab.tables(), sm_scale, *ROPE, sliding=True, inline_rope=True
+    )
+    args = [to_dev(a, target) for a in (q, q_pos)] + [to_dev(tab.pages, target), to_dev(scale, target)]
+    args += [to_dev(a, target) for a in tab.tables()]
+    o = to_dev(np.zeros_like(q), target)
+    lse = to_dev(np.zeros((B, H_QO), np.float32), target)
+    lib["paged_decode"](*args, o, lse, sm_scale, *ROPE)
+    _check(o, lse, o_ref, lse_ref, tol=3e-2)
+    S = -(-max(kv_lens) // 64)
+    o_part = to_dev(np.full((S, B, H_QO, D), np.nan, np.float32), target)
+    lse_part = to_dev(np.full((S, B, H_QO), np.nan, np.float32), target)
+    lib["paged_decode_split"](*args, o_part, lse_part, sm_scale, *ROPE, 64)
+    o = to_dev(np.zeros_like(q), target)
+    lib["merge_splits"](o_part, lse_part, o, lse)
+    _check(o, lse, o_ref, lse_ref, tol=3e-2)

@@ -1464,10 +1464,16 @@ class PagedAttentionKVCache:
             )
         return self._kv
 
+    def holds_no_token(self) -> bool:
+        """Whether the cache holds no token at all: no page in use (by sequences, a prefix cache or
+        pending imports), nothing swapped out, no forward open. Then ``set_kv_scales`` may change
+        the fp8 scales (no stored code would change meaning)."""
+        return self._fwd is None and self.pool.num_free == self.pool.num_pages and not self._table.swapped
+
     def _require_empty_pages(self, what: str) -> None:
         if self._fwd is not None:
             raise ForwardStateError(f"{what} called inside begin_forward/end_forward")
-        if self.pool.num_free != self.pool.num_pages or self._table.swapped:
+        if not self.holds_no_token():
             raise ValueError(
                 f"{what}: the cache holds tokens ({self.pool.num_pages - self.pool.num_free} pages in use"
                 f"{', sequences swapped out' if self._table.swapped else ''}) whose stored codes would change "

@@ -83,7 +83,6 @@ __all__ = [
     "export_checkpoint",
     "export_page_group",
     "finish_import",
-    "holds_no_token",
     "import_checkpoint",
     "import_page_group",
     "layout_descriptor",
@@ -397,11 +396,9 @@ def _group(cache, group_id) -> int:
     return group_id
 
 
-def _group_tensor(cache, x, name: str, num_pages: int, *, writable: bool):
-    """``(tvm tensor, kind)`` over ``x`` after checking shape, dtype, device and contiguity; NumPy and
-    unaligned torch arrays get a host / device copy (written back by :func:`_write_back`)."""
-    import tvm
-
+def _check_group(cache, x, name: str, num_pages: int, *, writable: bool) -> str:
+    """The array kind of ``x`` after checking it is a page group of ``num_pages`` pages for ``cache``:
+    shape, dtype, device, contiguity (ValueError naming ``name`` otherwise); copies nothing."""
     cfg = cache.config
     kind = tensors.array_kind(x)
     shape, dtype, dev = tensors.describe(x, kind)
@@ -422,6 +419,17 @@ def _group_tensor(cache, x, name: str, num_pages: int, *, writable: bool):
         raise ValueError(f"{name} is not contiguous; pass a contiguous tensor")
     if kind == "numpy" and writable and not x.flags.writeable:
         raise ValueError(f"{name} is a read-only NumPy array; pass a writeable one")
+    return kind
+
+
+def _group_tensor(cache, x, name: str, num_pages: int, *, writable: bool):
+    """``(tvm tensor, kind)`` over ``x`` after :func:`_check_group`; NumPy and unaligned torch arrays
+    get a host / device copy (written back by :func:`_write_back`)."""
+    import tvm
+
+    cfg = cache.config
+    kind = _check_group(cache, x, name, num_pages, writable=writable)
+    shape = page_group_shape(cache, num_pages)
     if kind == "tvm":
         return x, kind
     if kind == "numpy":  # a host copy (the destination of an export needs none of x's values)
@@ -672,12 +680,6 @@ def checkpoint_kv_scales(cache, metadata_json: str):
     return np.stack(out)
 
 
-def holds_no_token(cache) -> bool:
-    """Whether ``cache`` holds no token at all (no page in use, nothing swapped out, no forward open):
-    then ``set_kv_scales`` may change its fp8 scales."""
-    return cache.pool.num_free == cache.pool.num_pages and not cache.swapped_sequence_ids() and not cache.forward_open
-
-
 def prepare_import(cache, seq_id, metadata_json) -> None:
     """Check a checkpoint's metadata against this cache and reserve its pages for ``seq_id``.
 
@@ -738,9 +740,9 @@ def import_checkpoint(cache, seq_id, checkpoint: Checkpoint) -> None:
             f"the checkpoint has {len(checkpoint.groups)} page groups; this cache has {cache.config.num_layers} layers"
         )
     for g, group in enumerate(checkpoint.groups):
-        _group_tensor(cache, group, f"checkpoint.groups[{g}]", -(-n // cache.config.page_size), writable=False)
+        _check_group(cache, group, f"checkpoint.groups[{g}]", -(-n // cache.config.page_size), writable=False)
     scales = checkpoint_kv_scales(cache, checkpoint.metadata)
-    if scales is not None and holds_no_token(cache):  # everything checked: restore exactly
+    if scales is not None and cache.holds_no_token():  # everything checked: restore exactly
         for layer, (k, v) in enumerate(scales):
             cache.set_kv_scales(layer, k, v)
     prepare_import(cache, seq_id, checkpoint.metadata)
