@@ -99,6 +99,7 @@ def test_fp8_scales_are_validated_and_refusals_change_nothing(rng):
         ((0, float("nan"), 1.0), ValueError, "positive and finite"),
         ((0, 1.0, [1.0, float("inf")]), ValueError, r"v_scale\[1\]"),
         ((0, 1e-45, 1.0), ValueError, "smallest normal"),
+        ((0, 1e39, 1.0), ValueError, "float32's largest"),
         ((0, "big", 1.0), TypeError, "k_scale"),
         ((2, 1.0, 1.0), ValueError, "out of range"),
     ]
@@ -467,3 +468,28 @@ def test_fp8_imports_into_a_calibrating_cache(rng):
             cal.requantize_pages(*args)
     assert np.array_equal(np.stack(cal.debug_get_kv(9)), np.stack([k, v]))
     cal.check_integrity()
+    # a sender still calibrating, a head of zeros so far: an empty receiver takes 1.0 for that head, never
+    # the calibration's floor (under which every later value would vanish), by a move or a checkpoint
+    from tvmkv.runtime import checkpoint
+
+    zeros = _cache("llvm", fmt, calibrate=64)
+    zeros.add_sequence(0)
+    zeros.begin_forward([0], [4])
+    for layer in range(L):
+        zeros.attention_with_fused_qkv(layer, x)  # V of KV head 0 all zeros
+    zeros.end_forward()
+    ckpt = checkpoint.export_checkpoint(zeros, 0)
+    for receive in ("move", "checkpoint"):
+        empty = _cache("llvm", fmt)
+        if receive == "move":
+            transfer.move_sequence(zeros, 0, empty, 1)
+        else:
+            checkpoint.import_checkpoint(empty, 1, ckpt)
+        assert (np.stack([empty.kv_scales(layer) for layer in range(L)])[:, 1, 0] == 1.0).all()
+        ones = np.ones((1, HQ + 2 * HKV, D), np.float16)
+        empty.begin_forward([1], [1])
+        for layer in range(L):
+            empty.attention_with_fused_qkv(layer, ones)
+        empty.end_forward()
+        _, v = empty.debug_get_kv(1)
+        assert (v[:, :4, 0] == 0).all() and (v[:, 4, 0] == 1.0).all()

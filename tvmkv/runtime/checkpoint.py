@@ -62,6 +62,7 @@ import numpy as np
 
 from ..errors import OutOfPagesError
 from . import tensors
+from .kv_scales import adoptable
 from .sequences import as_int, check_id
 
 FORMAT_VERSION = 1
@@ -743,7 +744,7 @@ def import_checkpoint(cache, seq_id, checkpoint: Checkpoint) -> None:
         _check_group(cache, group, f"checkpoint.groups[{g}]", -(-n // cache.config.page_size), writable=False)
     scales = checkpoint_kv_scales(cache, checkpoint.metadata)
     if scales is not None and cache.holds_no_token():  # everything checked: restore exactly
-        for layer, (k, v) in enumerate(scales):
+        for layer, (k, v) in enumerate(adoptable(scales)):
             cache.set_kv_scales(layer, k, v)
     prepare_import(cache, seq_id, checkpoint.metadata)
     try:

@@ -28,7 +28,15 @@ from ..config import CacheConfig
 
 HEADROOM = 2.0  # calibrated scale = HEADROOM * amax / largest (one binade of room above the amax seen)
 _LARGEST = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-_FLOOR = float(2.0**-100)  # the scale of a head whose calibration tokens are all zero (a normal float32)
+FLOOR = float(2.0**-100)  # the scale of a head whose calibration tokens are all zero so far (a normal float32)
+
+
+def adoptable(scales) -> np.ndarray:
+    """``scales`` (float32, any shape) with a calibration's floor (a head that saw only zeros so far,
+    whose codes are all zero) replaced by the default 1.0: what another cache taking them over (an
+    import, a transfer) should set, never the floor itself."""
+    scales = np.asarray(scales, np.float32)
+    return np.where(scales == np.float32(FLOOR), np.float32(1.0), scales).astype(np.float32)
 
 
 class KvScales:
@@ -82,6 +90,10 @@ class KvScales:
         if small.any():
             i = int(np.flatnonzero(small)[0])
             raise ValueError(f"{name}[{i}]={row[i]!r} is below float32's smallest normal: use a larger scale")
+        big = row > np.finfo(np.float32).max
+        if big.any():
+            i = int(np.flatnonzero(big)[0])
+            raise ValueError(f"{name}[{i}]={row[i]!r} is above float32's largest value: use a smaller scale")
         return row.astype(np.float32)
 
     def table(self, value, name: str) -> np.ndarray:
@@ -129,7 +141,7 @@ class KvScales:
         under when they must be re-encoded (a scale grew over stored codes), else None."""
         cur = self._host[layer]
         stored = self._stored[layer]
-        want = np.maximum(amax.astype(np.float64) * HEADROOM / _LARGEST[self.config.page_dtype], _FLOOR)
+        want = np.maximum(amax.astype(np.float64) * HEADROOM / _LARGEST[self.config.page_dtype], FLOOR)
         if stored:  # scales only grow once codes are stored under them
             want = np.maximum(want, cur)
         new = want.astype(np.float32)
@@ -156,7 +168,7 @@ class KvScales:
         them. Returns the old scales when any changed (codes stored under them must be re-encoded:
         zeros, which stay zeros), else None."""
         cur = self._host[layer]
-        unseen = cur == np.float32(_FLOOR)
+        unseen = cur == np.float32(FLOOR)
         if not unseen.any() or self._fixed[layer]:
             return None
         self.set(layer, np.where(unseen, np.float32(1.0), cur).astype(np.float32), fixed=False)

@@ -30,6 +30,7 @@ first gives it the sender's scales (``set_kv_scales``; a calibration of the rece
 from __future__ import annotations
 
 from .checkpoint import ImportReservations, check_new_id, copy_pages, plain_sequence
+from .kv_scales import adoptable
 from .sequences import as_int, check_id
 
 __all__ = ["Receive", "check_compatible", "move_sequence", "prepare_receive", "send_sequence"]
@@ -181,7 +182,7 @@ def move_sequence(sender, seq_id, receiver, receiver_seq_id=None, *, remove: boo
     fits = -(-seq.length // receiver.config.page_size) <= receiver.num_available_pages()
     if getattr(sender.config, "fp8_pages", False) and receiver.holds_no_token() and fits:  # codes move unchanged
         for layer in range(sender.config.num_layers):
-            receiver.set_kv_scales(layer, *sender.kv_scales(layer))
+            receiver.set_kv_scales(layer, *adoptable(sender.kv_scales(layer)))
     recv = prepare_receive(receiver, target, seq.length)
     with recv:
         send_sequence(sender, seq_id, recv)
