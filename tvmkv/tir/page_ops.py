@@ -271,25 +271,22 @@ def page_transfer_func(spec: KernelSpec, body):
     return page_transfer
 
 
-def _make_page_transfer(spec: KernelSpec, *, to_staging: bool):
-    """The one body of ``gather_pages`` (``to_staging``) and ``scatter_pages``: only which side of the
-    element copy is the destination differs."""
+def listed_page_body(spec: KernelSpec, element, lanes=T.vectorized):
+    """The body (a macro without arguments) visiting every element of the ``m`` pages ``page_ids``
+    lists, reading those two names where it is expanded, and expanding ``element(i, page, kv, h, j, d)``
+    (a macro: element ``(kv, h, j, d)`` of page ``page = page_ids[i]``) at each. CUDA mapping: one block
+    per listed page and (K or V) x head chunk, ``threadIdx`` over a few heads and the head dim, the
+    page's slots in a loop. ``lanes``: the llvm schedule's innermost loop over the head dim."""
     H, D, P = spec.num_kv_heads, spec.head_dim, spec.page_size
     HY = heads_per_block(H, D)
     HB = (H + HY - 1) // HY
-
-    def route(pages, staging, layer, i, page, kv, h, j, d):
-        """(destination, its index, source, its index) of one element."""
-        ours, row = (page, kv, h, j, d), (i, layer, kv, h, j, d)
-        return (staging, row, pages, ours) if to_staging else (pages, ours, staging, row)
 
     @macro
     def cpu_body():
         for i in T.parallel(m):
             for kv, h, j in T.grid(2, H, P):
-                for d in T.vectorized(D):
-                    dst, di, src, si = T.meta_var(route(pages, staging, layer, i, page_ids[i], kv, h, j, d))
-                    dst[di] = src[si]
+                for d in lanes(D):
+                    element(i, page_ids[i], kv, h, j, d)
 
     @macro
     def gpu_body():
@@ -300,12 +297,26 @@ def _make_page_transfer(spec: KernelSpec, *, to_staging: bool):
                         h = T.meta_var(hb % HB * HY + hy)
                         if i < m and h < H:
                             for j in T.serial(P):
-                                dst, di, src, si = T.meta_var(
-                                    route(pages, staging, layer, i, page_ids[i], hb // HB, h, j, d)
-                                )
-                                dst[di] = src[si]
+                                element(i, page_ids[i], hb // HB, h, j, d)
 
-    return page_transfer_func(spec, cpu_body if spec.is_cpu else gpu_body)
+    return cpu_body if spec.is_cpu else gpu_body
+
+
+def _make_page_transfer(spec: KernelSpec, *, to_staging: bool):
+    """The one body of ``gather_pages`` (``to_staging``) and ``scatter_pages``: only which side of the
+    element copy is the destination differs."""
+
+    def route(pages, staging, layer, i, page, kv, h, j, d):
+        """(destination, its index, source, its index) of one element."""
+        ours, row = (page, kv, h, j, d), (i, layer, kv, h, j, d)
+        return (staging, row, pages, ours) if to_staging else (pages, ours, staging, row)
+
+    @macro
+    def copy(i, page, kv, h, j, d):
+        dst, di, src, si = T.meta_var(route(pages, staging, layer, i, page, kv, h, j, d))
+        dst[di] = src[si]
+
+    return page_transfer_func(spec, listed_page_body(spec, copy))
 
 
 def make_requantize_pages(spec: KernelSpec):
@@ -332,8 +343,6 @@ def make_requantize_pages(spec: KernelSpec):
     if not spec.fp8_pages:
         return None
     H, D, P, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.page_dtype
-    HY = heads_per_block(H, D)
-    HB = (H + HY - 1) // HY
     scale = kv_scale_buffer(spec)
     attrs = func_attrs(spec)
 
@@ -342,25 +351,10 @@ def make_requantize_pages(spec: KernelSpec):
         return page_code(spec, page_value(spec, pages[page, kv, h, j, d]) * from_scale[kv, h], scale, kv, h)
 
     @macro
-    def cpu_body():
-        for i in T.parallel(m):
-            for kv, h, j, d in T.grid(2, H, P, D):
-                pages[page_ids[i], kv, h, j, d] = convert(pages, from_scale, page_ids[i], kv, h, j, d)
+    def convert_element(i, page, kv, h, j, d):
+        pages[page, kv, h, j, d] = convert(pages, from_scale, page, kv, h, j, d)
 
-    @macro
-    def gpu_body():
-        for i in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
-            for hb in T.thread_binding(2 * HB, thread="blockIdx.y"):  # (K or V) x head chunk
-                for hy in T.thread_binding(HY, thread="threadIdx.y"):
-                    for d in T.thread_binding(D, thread="threadIdx.x"):
-                        h = T.meta_var(hb % HB * HY + hy)
-                        if i < m and h < H:
-                            for j in T.serial(P):
-                                pages[page_ids[i], hb // HB, h, j, d] = convert(
-                                    pages, from_scale, page_ids[i], hb // HB, h, j, d
-                                )
-
-    body = cpu_body if spec.is_cpu else gpu_body
+    body = listed_page_body(spec, convert_element, T.serial)
 
     @T.prim_func(check_well_formed=False)  # checked by with_kv_scale
     def requantize_pages(var_pages: T.handle, var_ids: T.handle, var_from: T.handle):
