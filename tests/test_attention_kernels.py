@@ -301,7 +301,7 @@ def test_paged_decode_split(target, cfg, rng):
         lib["merge_splits"](o_part, lse_part, o, lse)
         _check(o, lse, o_full, lse_full, spec.dtype, rope)
         if "paged_decode_split_merge" in lib:  # cuda: the same in one launch; twice on one counter array
-            blocks = split_granule(spec)[0]
+            blocks = split_granule(spec, sliding=sliding, inline_rope=rope)[0]
             counter = to_dev(np.zeros(B * blocks + 3, np.int32), target)
             if S > MERGE_MAX_SPLITS:  # more chunks than the in-kernel merge takes: refused, nothing written
                 with pytest.raises(Exception, match="at most 64 chunks"):
@@ -376,7 +376,7 @@ def test_paged_decode_append(target, cfg, rng):
     tables = [to_dev(a, target) for a in pg.tables()]
     q_pos_d, qkv_d, slot_d = to_dev(q_pos, target), to_dev(qkv, target), to_dev(slot, target)
     tol = _tol(spec.dtype, mode != "none")
-    blocks = split_granule(spec)[0]
+    blocks = split_granule(spec, sliding=sliding, inline_rope=mode == "inline")[0]
     for kv_chunk in (None, 64, 200):
         pages = to_dev(stale, target)
         o = to_dev(np.ones((B, Hq, D), _np_dtype(spec.dtype)), target)

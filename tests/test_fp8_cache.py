@@ -39,13 +39,16 @@ def _store(scales, fmt):
     return store
 
 
-def _step(cache, model, rng, ids, lens, check_kv=()):
+def _step(cache, model, rng, ids, lens, check_kv=(), split=False):
+    cfg = cache.config
     cache.begin_forward(ids, lens)
+    if split:  # a decode cut into chunks (decode_splits)
+        assert cache.debug_forward().num_splits > 1
     model.begin(ids, lens)
     raw = cache.debug_forward().kernel.startswith("ragged")  # a prefill without history reads no page
     n = sum(lens)
-    for layer in range(L):
-        qkv = (rng.standard_normal((n, HQ + 2 * HKV, D)) * 2).astype(np.float16)
+    for layer in range(cfg.num_layers):
+        qkv = (rng.standard_normal((n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim)) * 2).astype(np.float16)
         o = cache.attention_with_fused_qkv(layer, qkv)
         want, _ = model.attention(layer, qkv, new_raw=raw)
         np.testing.assert_allclose(np.asarray(o, np.float64), want, atol=2e-2, rtol=2e-2)
@@ -83,6 +86,40 @@ def test_fp8_cache_matches_the_quantized_model(target, fmt, rng):
     after = cache.debug_get_kv(2)
     assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
     _step(cache, model, rng, [2, 3], [1, 1], check_kv=(2,))
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["tensor-cores", "sliding-cuda-cores"])
+def test_fp8_decode_of_a_group_of_eight_through_the_cache(target, sliding, rng):
+    """fp8 decode at head_dim 128 with 8 query heads per KV head, split (up to 4 ways; cuda: merged in
+    the kernel), against the quantized model. On cuda the plain kernel set decodes on the tensor cores
+    (one block per KV head), the sliding one on the CUDA cores (two blocks per KV head: the runtime
+    sizes the merge's arrival counters for it); llvm has one schedule for both."""
+    fmt, hq, hkv, d = "float8_e4m3fn", 16, 2, 128
+    scales = rng.uniform(0.004, 0.03, (1, 2, hkv)).astype(np.float32)
+    cache = PagedAttentionKVCache(
+        1,
+        hq,
+        hkv,
+        d,
+        page_size=P,
+        dtype="float16",
+        kv_dtype=fmt,
+        kv_scales=scales,
+        max_batch_size=4,
+        max_total_seq_len=2048,
+        prefill_chunk_size=512,
+        target=target,
+        support_sliding_window=sliding,
+        decode_splits=4,
+    )
+    model = CacheModel(1, hq, hkv, d, dtype="float16", kv_store=_store(scales, fmt))
+    for s in (0, 1, 2):
+        cache.add_sequence(s)
+        model.add(s)
+    _step(cache, model, rng, [0, 1, 2], [300, 17, 1])
+    for _ in range(3):
+        _step(cache, model, rng, [0, 1, 2], [1, 1, 1], split=True)
     cache.check_integrity()
 
 

@@ -11,6 +11,8 @@ softmax, as it does with fp16 pages.
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -44,7 +46,8 @@ class Table:
     """Sequences of ``kv_lens`` slots over random, non-contiguous pages of a pool whose other slots
     hold NaN codes (a kernel reading outside its sequence returns NaN)."""
 
-    def __init__(self, rng, kv_lens, fmt, scale, values=None):
+    def __init__(self, rng, kv_lens, fmt, scale, values=None, *, h_kv=H_KV, d=D, p=P):
+        P = p
         npages = [-(-n // P) for n in kv_lens]
         num_pages = sum(npages) + 3
         perm = rng.permutation(num_pages).astype(np.int32)
@@ -52,7 +55,7 @@ class Table:
         self.page_indices = perm[: sum(npages)].copy()
         self.last_page_len = np.array([n - (k - 1) * P if k else 0 for n, k in zip(kv_lens, npages)], np.int32)
         self.kv_window = np.zeros((len(kv_lens), 3), np.int32)
-        shape = (num_pages, 2, H_KV, P, D)
+        shape = (num_pages, 2, h_kv, P, d)
         if values is None:
             values = rng.standard_normal(shape).astype(np.float32)
         self.pages = fp8_ref.quantize_pages(values, scale, fmt)
@@ -474,3 +477,133 @@ def test_fp8_decode_with_inline_rope_and_window(target, rng):
     o = to_dev(np.zeros_like(q), target)
     lib["merge_splits"](o_part, lse_part, o, lse)
     _check(o, lse, o_ref, lse_ref, tol=3e-2)
+
+
+# the tensor-core decode (decode_cuda, "Tensor cores"): H_qo, H_kv, D, P, format
+TC_SHAPES = [
+    (8, 2, 128, 16, "float8_e4m3fn"),  # group 4: mma rows 4..15 idle; a 16-key group in one or two pages
+    (16, 1, 256, 8, "float8_e5m2"),  # group 16: two blocks of 8 heads; pages of 8 slots (a page id a row)
+]
+
+
+@pytest.mark.parametrize("shape", TC_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_fp8_tensor_core_decode(target, shape, rng):
+    """The cuda decode of fp8 pages under fp16 activations at head_dim 128 / 256 runs on the tensor cores
+    (q's heads as mma rows, K and V codes converted into B fragments, P from the score accumulators):
+    unsplit, split (chunks below a 16-key group, not a multiple of it, of several tiles, beyond every
+    sequence; the empty sequence included) + merge_splits, and split + merge in one launch, against the
+    fp64 reference over the dequantized values. cuda only: llvm has one schedule, tested above."""
+    if target != "cuda":
+        pytest.skip("the tensor-core decode is a cuda schedule")
+    from tvmkv.tir.decode_layout import MERGE_MAX_SPLITS, split_granule, tensor_core_layout
+
+    h_qo, h_kv, d, p, fmt = shape
+    spec = KernelSpec(h_qo, h_kv, d, p, "float16", target, fmt)
+    assert tensor_core_layout(spec) is not None
+    lib = load_kernels(spec, rope_mode="none")
+    scale = (rng.uniform(0.5, 3.0, (2, h_kv)) / 448.0 * 4).astype(np.float32)
+    kv_lens = [0, 1, 15, 16, 17, 31, 100, 300, 1000]
+    B = len(kv_lens)
+    tab = Table(rng, kv_lens, fmt, scale, h_kv=h_kv, d=d, p=p)
+    q = rng.standard_normal((B, h_qo, d)).astype(np.float16)
+    q_pos = np.array([max(n - 1, 0) for n in kv_lens], np.int32)
+    sm_scale = 1.0 / math.sqrt(d)
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, tab.values, *tab.tables(), sm_scale, *ROPE)
+    args = [to_dev(a, target) for a in (q, q_pos)] + [to_dev(tab.pages, target), to_dev(scale, target)]
+    args += [to_dev(a, target) for a in tab.tables()]
+    o = to_dev(np.ones_like(q), target)
+    lse = to_dev(np.zeros((B, h_qo), np.float32), target)
+    lib["paged_decode"](*args, o, lse, sm_scale, *ROPE)
+    _check(o, lse, o_ref, lse_ref)
+    blocks = split_granule(spec)[0]
+    for kv_chunk in (5, 48, 64, 1000):
+        S = -(-max(kv_lens) // kv_chunk)
+        part_ref = ref.paged_decode_split(q, q_pos, tab.values, *tab.tables(), sm_scale, *ROPE, kv_chunk, S)
+        o_part = to_dev(np.full((S, B, h_qo, d), np.nan, np.float32), target)
+        lse_part = to_dev(np.full((S, B, h_qo), np.nan, np.float32), target)
+        lib["paged_decode_split"](*args, o_part, lse_part, sm_scale, *ROPE, kv_chunk)
+        _check(o_part, lse_part, *part_ref)  # each chunk's normalized state (V scale applied), float32
+        o = to_dev(np.ones_like(q), target)
+        lse = to_dev(np.zeros((B, h_qo), np.float32), target)
+        lib["merge_splits"](o_part, lse_part, o, lse)
+        _check(o, lse, o_ref, lse_ref)
+        if S <= MERGE_MAX_SPLITS:
+            counter = to_dev(np.zeros(B * blocks, np.int32), target)
+            o = to_dev(np.ones_like(q), target)
+            lib["paged_decode_split_merge"](*args, o_part, lse_part, counter, o, lse, sm_scale, *ROPE, kv_chunk)
+            _check(o, lse, o_ref, lse_ref)
+            assert not counter.numpy().any()
+
+
+def test_fp8_split_granule_follows_the_decode_layout():
+    """The runtime sizes the split's block grid and the in-kernel merge's arrival counters from
+    split_granule: for fp8 kernel sets it must describe the decode the set holds, tensor-core (plain) or
+    CUDA-core (sliding window, inline RoPE), whose blocks per sequence differ at a group of 8 or 16."""
+    from tvmkv.tir.decode_layout import decode_layout, split_granule
+
+    for h_qo, h_kv, d in [(32, 8, 128), (64, 8, 128), (32, 2, 256), (16, 1, 256)]:
+        spec = KernelSpec(h_qo, h_kv, d, 16, "float16", "cuda", "float8_e4m3fn")
+        tc, simt = decode_layout(spec), decode_layout(spec, tensor_cores=False)
+        assert tc["TC"] and not simt["TC"]
+        assert split_granule(spec) == (h_kv * tc["NGB"], tc["KB"])
+        for kw in ({"sliding": True}, {"inline_rope": True}):
+            assert split_granule(spec, **kw) == (h_kv * simt["NGB"], simt["KB"])
+    spec = KernelSpec(64, 8, 128, 16, "float16", "cuda", "float8_e4m3fn")  # group 8: one block vs two
+    assert split_granule(spec)[0] == 8 and split_granule(spec, sliding=True)[0] == 16
+    for spec in (
+        KernelSpec(4, 2, 64, 16, "float16", "cuda", "float8_e4m3fn"),
+        KernelSpec(32, 8, 128, 16, "bfloat16", "cuda", "float8_e4m3fn"),
+    ):
+        assert decode_layout(spec)["TC"] is False  # head_dim 64 / bf16 activations: the CUDA-core layout
+        with pytest.raises(ValueError, match="tensor_cores=True.*head_dim in"):
+            decode_layout(spec, tensor_cores=True)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_fp8_cuda_decode_compiles(tmp_path):
+    """The CUDA decode over fp8 pages (unsplit, split, split + merge; both formats) gives source nvcc
+    accepts for sm_89 and sm_90 (the pair conversions need sm_89): the tensor-core schedule (fp16
+    activations, head_dim 128 and 256 with pages of 8 slots) and the CUDA-core one (head_dim 64; a
+    sliding window with attention sink at 256; bf16 activations at 128: the tensor-core layout does not
+    apply), each reading a K/V row once for all query heads of its group (up to 8 per block on tensor
+    cores: two blocks for a group of 16); runs on a machine without a GPU. (Inline RoPE over fp8 pages
+    runs in test_fp8_decode_with_inline_rope_and_window on the GPU.)"""
+    from tvmkv.build import compile_funcs
+    from tvmkv.tir.decode_cuda import decode_layout, make_paged_decode_cuda
+
+    funcs = {}
+    cases = [  # format, H_qo, H_kv, D, P, activations, extra, tensor cores
+        ("float8_e4m3fn", 32, 8, 128, 16, "float16", {}, True),
+        ("float8_e5m2", 16, 1, 256, 8, "float16", {}, True),
+        ("float8_e5m2", 32, 8, 64, 16, "float16", {}, False),
+        ("float8_e4m3fn", 32, 8, 256, 16, "float16", {"sliding": True}, False),
+        ("float8_e4m3fn", 32, 8, 128, 16, "bfloat16", {}, False),
+    ]
+    for k, (fmt, h_qo, h_kv, d, p, dtype, extra, tc) in enumerate(cases):
+        spec = KernelSpec(h_qo, h_kv, d, p, dtype, "cuda", fmt)
+        lay = decode_layout(spec, tensor_cores=None if not extra else False)
+        assert lay["TC"] == tc and lay["GQ"] * lay["NGB"] == spec.group and lay["GQ"] >= min(spec.group, 8), lay
+        assert tc or lay["E"] == 16, lay  # CUDA-core fp8 layout: 16 codes per lane
+        funcs[f"decode_{k}"] = make_paged_decode_cuda(spec, **extra)
+        funcs[f"split_{k}"] = make_paged_decode_cuda(spec, split=True, **extra)
+        funcs[f"split_merge_{k}"] = make_paged_decode_cuda(spec, split=True, merge=True, **extra)
+    with pytest.raises(ValueError, match="tensor_cores=True"):
+        make_paged_decode_cuda(
+            KernelSpec(32, 8, 128, 16, "float16", "cuda", "float8_e4m3fn"), sliding=True, tensor_cores=True
+        )
+    src = compile_funcs(funcs, "cuda", "sm_90").mod.imports[0].inspect_source()
+    assert "cvt.rn.f16x2.e4m3x2" in src and "cvt.rn.f16x2.e5m2x2" in src and "mma.sync.aligned.m16n8k16" in src
+    path = tmp_path / "fp8_decode.cu"
+    path.write_text(src)
+    for arch in ("sm_89", "sm_90"):
+        cmd = [
+            "nvcc",
+            f"-arch={arch}",
+            "--cubin",
+            "-diag-suppress=1046,177,550",
+            "-o",
+            str(path.with_suffix(".cubin")),
+            str(path),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]

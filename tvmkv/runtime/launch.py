@@ -96,7 +96,8 @@ class Launcher:
             if num_sms > 0:
                 self.blocks_per_sm = mla_blocks_per_sm(config.mla_spec, device.compute_version, arch)
         else:
-            self.granule = split_granule(config.kernel_spec) if "paged_decode_split" in kernels else None
+            variant = dict(sliding=config.support_sliding_window, inline_rope=config.rope_mode == "inline")
+            self.granule = split_granule(config.kernel_spec, **variant) if "paged_decode_split" in kernels else None
         if self.granule is None and (config.decode_splits or 1) > 1:
             raise ValueError(
                 f"decode_splits={config.decode_splits}: this configuration has no split decode kernel (head_dim "
@@ -107,10 +108,10 @@ class Launcher:
         self._scratch_views: dict = {}
         self._part_bufs: tuple | None = None
         self._counter = None  # paged_decode_split_merge's arrival counts (all zero between launches)
-        if not config.is_mla and "paged_decode_split_merge" in kernels:
+        if not config.is_mla and "paged_decode_split_merge" in kernels and self.granule is not None:
             import numpy as np
 
-            rows = config.max_batch_size * split_granule(config.kernel_spec)[0]
+            rows = config.max_batch_size * self.granule[0]  # the split's blocks per sequence
             self._counter = tvm.runtime.tensor(np.zeros(rows, np.int32), device)
         if config.is_mla:  # MLA layers launch from the cache's own calls (append_mla_kv, cross_attention)
             self._scratch_bufs: dict = {}

@@ -29,7 +29,29 @@ Design (one query token per sequence, so the kernel is a pure stream over the se
 * fp8 pages (:mod:`tvmkv.tir.fp8`): rows of 8 codes (8-byte ``cp.async.ca``); each key's and each
   value's codes of a lane are converted once, two at a time (``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2``,
   then widened to fp32), and used by all ``GQ`` query heads (the P V product runs key by key after the
-  tile's probabilities); half the bytes per tile of 16-bit pages (``decode_layout.FP8_LOAD_BYTES``).
+  tile's probabilities). Their layout differs (``decode_layout.FP8_*``): 16 codes per lane, so half
+  the lanes per key and half the shuffles summing each score, 4 warps per block. That CUDA-core
+  schedule serves fp8 pages only where the tensor-core one does not apply (below).
+* Tensor cores (fp8 pages under fp16 activations, head_dim 128 or 256, no sliding window, no inline
+  RoPE: :func:`decode_layout.tensor_core_layout`). On the CUDA cores every fp8 element costs a
+  conversion, a multiply-add per query head and its share of the score shuffles, too many instructions
+  to read at the memory's rate (ncu, 64x4096 on an H200: 152 M warp instructions against 57 M here);
+  here each warp computes ``S = Q K^T`` and ``O += P V`` with
+  ``mma.sync.m16n8k16`` (fp16 inputs, fp32 accumulation), the block's ``GQ <= 8`` query heads as the
+  rows of the A operand (rows ``GQ..15`` zero). A warp takes ``16 NK`` keys per tile. Its K and V rows
+  are copied whole (32 lanes x 16 bytes per ``cp.async``, full 128-byte lines) into the warp's slots
+  of a ring of ``NS`` stages, 16-byte chunks XOR-swizzled per row (``kswz`` / ``vswz``) so that the
+  fragment reads hit distinct banks; ``__syncwarp`` orders the copies of one lane before the reads of
+  another. Lane ``(g, c) = (lane // 4, lane % 4)`` then reads the codes of its fragments: K row ``g``
+  of each 8-key n-tile, bytes ``64 q + 16 c`` (the k axis of the mma is a permutation of the head
+  dims, and q's A fragments are read with the same permutation, ``tc_kdim``), converted in pairs
+  straight into B registers; V rows ``2c, 2c+1, 2c+8, 2c+9`` of each 16-key group, whose codes of a
+  dim are paired across two keys with ``__byte_perm`` and converted into the B fragment of
+  ``O += P V`` (n-tile ``mm`` of column ``n`` is dim ``tc_vdim(n, mm)``). ``P`` is the scores'
+  accumulator registers packed to fp16 (the C layout of one mma is the A layout of the next); the
+  online softmax runs per row over the 4 lanes that hold it (two shuffles). The K scale joins the
+  fp32 factor applied to the scores, the V scale the output, as on the CUDA-core path; each warp's
+  ``(m, l, O)`` goes through the same shared-memory merge, split and in-kernel merge of chunks.
 * ``sliding``: only valid slots are visited (the sink ``[0, sink_end)`` then ``[window_start,
   kv_len)``), so a window costs only its size. ``inline_rope``: q is rotated once at load; a key's
   rotate-half partner element lives in lane ``lt ^ TPK/2`` of the same sub-warp (one shuffle).
@@ -47,11 +69,18 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
-from .decode_layout import DEFAULT_WARPS, MERGE_MAX_SPLITS, REG_FLOATS, WARP, decode_layout
+from .decode_layout import MERGE_MAX_SPLITS, WARP, decode_layout
 from .fp8 import PAIR_TO_HALF2, kv_scale_buffer, page_code, page_value, times_key_scale, times_value_scale
 from .spec import KernelSpec, dtype_bytes
 
 DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
+TC_STAGES = 3  # ... on the tensor-core path (fp8 pages)
+TC_MIN_BLOCKS = 0  # its __launch_bounds__ blocks per SM (0: no register cap)
+MMA_F16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+CVT_F16X2 = "cvt.rn.f16x2.f32"  # (d, hi, lo)
+# __byte_perm selectors: bytes (x0, y0, x1, y1) and (x2, y2, x3, y3) of words x, y: two keys' codes of a
+# dim side by side, the pair order of an mma B fragment along its k (key) axis
+PERM_LO, PERM_HI = 0x5140, 0x7362
 STAGE_BYTES = 96 * 1024  # cap on the staging ring per block
 CP16 = "cp.async.cg.shared.global"
 CP8 = "cp.async.ca.shared.global"  # 8-byte copies (cg takes 16 only): fp8 pages' 8-code rows
@@ -72,6 +101,8 @@ MERGE = slots("m_new", "base", "alpha", "beta")
 FINAL = slots("m", "base", "l_sum", "w")
 # the thread's coordinates and local buffers, passed to the helper macros
 DecodeThread = namedtuple("DecodeThread", "hk w sub lt tx seq pid kb vb stg Qr O m l_sum S st kr fr acc kb2 vb2 vr h2")
+# ... on the tensor-core path: lane (g, c) of warp w
+TcThread = namedtuple("TcThread", "hk w lane g c tx seq pid stg kc kc16 vc pr pr16 qa kf vf pa sc junk Oc tm st")
 
 
 def make_paged_decode_cuda(
@@ -79,24 +110,28 @@ def make_paged_decode_cuda(
     *,
     sliding: bool = False,
     inline_rope: bool = False,
-    num_warps: int = DEFAULT_WARPS,
+    num_warps: int | None = None,
     unroll: int | None = None,
     double_buffer: bool = False,
-    max_tpk: int = WARP,
-    reg_floats: int = REG_FLOATS,
+    max_tpk: int | None = None,
+    reg_floats: int | None = None,
     load_bytes: int | None = None,
-    stages: int = DEFAULT_STAGES,
+    stages: int | None = None,
     split: bool = False,
     merge: bool = False,
     append: bool = False,
     rotate: bool = False,
+    tensor_cores: bool | None = None,
+    tc_groups: int | None = None,
+    tc_min_blocks: int | None = None,
 ):
     """The CUDA ``paged_decode`` PrimFunc (same signature as ``decode.make_paged_decode``), or with
     ``split`` the ``paged_decode_split`` one (``decode.make_paged_decode_split``; ``None`` for shapes
     without the fast layout).
 
-    ``num_warps`` (warps per block) and ``unroll`` (keys per lane group per tile) are tuning knobs;
-    the defaults are what the runtime uses. ``double_buffer`` (experimental) issues tile t+1's
+    ``num_warps`` (warps per block), ``unroll`` (keys per lane group per tile), ``max_tpk`` (lanes per
+    key), ``reg_floats`` and ``load_bytes`` are tuning knobs (:func:`decode_layout.decode_layout`); the
+    defaults, those of the page dtype, are what the runtime uses. ``double_buffer`` (experimental) issues tile t+1's
     K/V loads into a second register buffer before computing tile t. ``merge`` (with ``split``): the
     ``paged_decode_split_merge`` PrimFunc (``decode.make_paged_decode_split_merge``), whose last block
     of each (sequence, kv head, query-head slice) merges the chunks' partial states. ``append``: the
@@ -104,7 +139,21 @@ def make_paged_decode_cuda(
     its split form), which reads q, k and v from the fused ``qkv`` and appends the new K/V itself
     (``rotate``: rope mode "normal", q and the new k rotated here as ``split_rope`` would).
     """
-    lay = decode_layout(spec, num_warps, unroll, max_tpk, reg_floats, load_bytes)
+    if tensor_cores and (sliding or inline_rope or append or double_buffer):
+        raise ValueError(
+            "tensor_cores=True: the tensor-core decode has no sliding window, inline RoPE, fused append or "
+            "double buffer; leave tensor_cores unset"
+        )
+    lay = decode_layout(
+        spec,
+        num_warps,
+        unroll,
+        max_tpk,
+        reg_floats,
+        load_bytes,
+        tensor_cores=False if (sliding or inline_rope or append or double_buffer) else tensor_cores,
+        tc_groups=tc_groups,
+    )
     if lay is None:
         if split:
             return None
@@ -114,7 +163,10 @@ def make_paged_decode_cuda(
     H_qo, H_kv, D, P, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     page_dtype = spec.page_dtype
     group = spec.group
-    VEC, TPK, E, KPW, U, GQ, NW = (lay[k] for k in ("VEC", "TPK", "E", "KPW", "U", "GQ", "NW"))
+    tc = lay["TC"]  # the tensor-core path (fp8 pages; module docstring, "Tensor cores")
+    GQ, NW, KB = lay["GQ"], lay["NW"], lay["KB"]  # KB: keys per block per tile
+    # the CUDA-core layout (placeholders on the tensor-core path, which does not read them)
+    VEC, TPK, E, KPW, U = (8, 4, 8, 8, 1) if tc else (lay[k] for k in ("VEC", "TPK", "E", "KPW", "U"))
     # fp8 pages (tvmkv.tir.fp8): K / V registers hold codes, converted where they are used; the K scale
     # joins q's factor, the V scale the output; the new token's K / V are quantized as append stores them
     scale = kv_scale_buffer(spec)
@@ -122,7 +174,6 @@ def make_paged_decode_cuda(
     NC = E // VEC  # vector loads (16 bytes; fp8 pages 8) per lane per key row
     NGB = group // GQ  # blocks per kv head
     NT = NW * WARP
-    KB = NW * KPW * U  # keys per block per tile
     split = bool(split)
     merge = bool(merge) and split
     append, rotate = bool(append), bool(rotate) and bool(append)
@@ -141,12 +192,28 @@ def make_paged_decode_cuda(
     # tiles in shared memory and reads back only those, so no barrier is needed
     CHUNK = VEC * dtype_bytes(page_dtype)  # bytes of one load: 16 (fp8 pages: 8, with cp.async.ca)
     COPY = CP16 if CHUNK == 16 else CP8
+    if stages is None:
+        stages = TC_STAGES if tc else DEFAULT_STAGES
     NS = 1 if double_buffer else max(1, min(stages, STAGE_BYTES // (NT * U * 2 * NC * CHUNK)))
     if NS < 2:
         NS = 1
     CPA = NS >= 2
     STG_SHAPE = (NS, U, 2, NC, NT, VEC) if CPA else (1, 1, 1, 1, 1, VEC)
     STG_WORDS = max(1, math.prod(STG_SHAPE) * dtype_bytes(page_dtype) // 4)
+    # tensor-core path: each warp's K and V rows of a tile, whole, in its slots of a ring of NS stages; a lane
+    # reads back its fragments' codes (per 16-key group: D / 4 bytes of 2 K rows, D / 8 bytes of 4 V rows)
+    NK = lay.get("NK", 1)  # 16-key groups per warp per tile
+    KT = 16 * NK  # keys per warp per tile
+    KBY, VBY = D // 4, D // 8  # bytes of a K / V row one lane reads
+    KCH, VCH = KBY // 16, VBY // 16
+    CPR = D // 16  # 16-byte chunks of a row
+    NI = CPR // 2  # copy instructions of a 16-key group's K (or V) rows
+    NJ, NM = D // 16, D // 8  # k16 steps of S = Q K^T, n8 tiles of O += P V
+    TC_MB = TC_MIN_BLOCKS if tc_min_blocks is None else tc_min_blocks  # __launch_bounds__ (0: none)
+    if tc:
+        NS = max(2, min(stages, STAGE_BYTES // (NW * 2 * KT * D)))
+        STG_SHAPE = (NS, NW, 2, KT, CPR, 4)  # uint32 words: stage, warp, K | V, row, chunk
+        STG_WORDS = math.prod(STG_SHAPE)
     neg_inf = float("-inf")
     shfl_xor = getattr(T.cuda, "__shfl_xor_sync")
     FULL = 0xFFFFFFFF
@@ -304,6 +371,260 @@ def make_paged_decode_cuda(
                     for e in T.unroll(E):
                         th.O[g, e] = th.O[g, e] + th.S[g, u] * th.vr[e]
 
+    # ---- tensor-core path (fp8 pages, fp16 activations): lane = 4 g + c of a warp. S = Q K^T and
+    # O += P V are mma.sync m16n8k16 tiles whose rows are the block's GQ query heads (row g; rows GQ..15
+    # are zero). K as the B operand: lane (g, c) holds key g of each 8-key tile, the 16-byte chunks
+    # 64 q + 16 c of its row, so k step jj pairs dims tc_kdim(c, jj) + (0, 1) | (2, 3), and q's A
+    # fragment is read the same way. V as the B operand of O += P V: lane (g, c) holds keys 2c, 2c+1,
+    # 2c+8, 2c+9 of each 16-key group, chunks 128 q + 16 g of their rows; two keys' codes of a dim are
+    # paired with __byte_perm and converted to one f16x2, so n8 tile mm of column n is dim tc_vdim(n, mm).
+    # P comes from S's accumulator registers (the C layout of one mma is the A layout of the next).
+    def tc_key(t, w, i, seq):
+        # visited-key index of key i of warp w's keys in tile t, clamped to the last visited key
+        return T.min(x_base(seq) + t * KB + w * KT + i, seq[DSEQ.end] - 1)
+
+    def tc_kdim(c, jj):
+        # first of the 4 dims of k step jj in lane column c's K codes: 16-byte chunk jj // 4 of the lane is
+        # bytes [64 (jj // 4) + 16 c, +16), so the 4 lanes of a key read 64 contiguous bytes per load
+        return jj // 4 * 64 + c * 16 + jj % 4 * 4
+
+    def tc_vdim(n, mm):
+        # dim of n8 tile mm, column n, of O += P V: lane row n's V chunk mm // 16 is bytes
+        # [128 (mm // 16) + 16 n, +16)
+        return mm // 16 * 128 + n * 16 + mm % 16
+
+    def tc_vkey(kk, r, c):
+        # key (within the warp's tile) of V row r (0..3) of 16-key group kk of lane column c
+        return kk * 16 + r // 2 * 8 + 2 * c + r % 2
+
+    def kswz(key, j):
+        # 16-byte chunk j of staged K row key -> its slot in the row: the 8 lanes of a shared-memory phase
+        # (rows g, g + 1; chunks 4 q + c) hit distinct banks
+        return j ^ ((key & 1) << 2)
+
+    def vswz(key, j):
+        # ... of a staged V row (lanes of a phase: rows 2c + ..., chunks 8 q + g for g in 0, 1)
+        return j ^ (((key >> 1) & 3) << 1)
+
+    def tc_wkey(kk, i, lane):
+        # key (within the warp's tile) whose chunk lane copies in copy instruction i of 16-key group kk:
+        # each instruction copies whole rows (32 lanes x 16 bytes = 512 / D rows)
+        return kk * 16 + (i * WARP + lane) // CPR
+
+    @macro
+    def tc_pages(th, t):
+        # page ids of the rows this lane copies in tile t: pages of at least 16 slots hold a 16-key group
+        # in at most two pages, those of its first and last keys; smaller pages: one id per instruction
+        for kk in T.unroll(NK):
+            if P >= 16:
+                for h in T.unroll(2):
+                    th.pid[kk * NI + h] = page_indices[
+                        th.seq[DSEQ.page_base] + (tc_key(t, th.w, kk * 16 + h * 15, th.seq) >> LOGP)
+                    ]
+            else:
+                for i in T.unroll(NI):
+                    th.pid[kk * NI + i] = page_indices[
+                        th.seq[DSEQ.page_base] + (tc_key(t, th.w, tc_wkey(kk, i, th.lane), th.seq) >> LOGP)
+                    ]
+
+    def tc_pid(th, t, kk, i):
+        # page id of the row this lane copies in instruction i of 16-key group kk
+        if P >= 16:
+            return T.if_then_else(
+                tc_key(t, th.w, tc_wkey(kk, i, th.lane), th.seq) >> LOGP == tc_key(t, th.w, kk * 16, th.seq) >> LOGP,
+                th.pid[kk * NI],
+                th.pid[kk * NI + 1],
+            )
+        return th.pid[kk * NI + i]
+
+    @macro
+    def tc_issue(th, t, s):
+        # cp.async the warp's K and V rows of tile t into ring stage s (whole rows per instruction, chunks
+        # swizzled), commit, fetch tile t + 1's page ids
+        for kk in T.unroll(NK):
+            for i in T.unroll(NI):
+                key = T.meta_var(tc_wkey(kk, i, th.lane))
+                j = T.meta_var((i * WARP + th.lane) % CPR)
+                slot = T.meta_var(tc_key(t, th.w, key, th.seq) & PMASK)
+                T.ptx[CP16](
+                    th.stg.ptr_to([s, th.w, 0, key, kswz(key, j), 0]),
+                    pages.ptr_to([tc_pid(th, t, kk, i), 0, th.hk, slot, j * 16]),
+                    16,
+                )
+                T.ptx[CP16](
+                    th.stg.ptr_to([s, th.w, 1, key, vswz(key, j), 0]),
+                    pages.ptr_to([tc_pid(th, t, kk, i), 1, th.hk, slot, j * 16]),
+                    16,
+                )
+        T.ptx["cp.async.commit_group"]()
+        tc_pages(th, t + 1)
+
+    @macro
+    def tc_read(th, s):
+        # this lane's fragments' codes: K rows g, g + 8 (chunks 4 q + c), V rows 2c, 2c+1, 2c+8, 2c+9
+        # (chunks 8 q + g) of each 16-key group
+        for kk in T.unroll(NK):
+            for h in T.unroll(2):
+                for q in T.unroll(KCH):
+                    for v in T.vectorized(4):
+                        th.kc[kk, h, q * 4 + v] = th.stg[
+                            s, th.w, 0, kk * 16 + h * 8 + th.g, kswz(kk * 16 + h * 8 + th.g, q * 4 + th.c), v
+                        ]
+            for r in T.unroll(4):
+                for q in T.unroll(VCH):
+                    for v in T.vectorized(4):
+                        th.vc[kk, r, q * 4 + v] = th.stg[
+                            s, th.w, 1, tc_vkey(kk, r, th.c), vswz(tc_vkey(kk, r, th.c), q * 8 + th.g), v
+                        ]
+
+    @macro
+    def tc_compute(th, t):
+        seq = T.meta_var(th.seq)
+        st = T.meta_var(th.st)
+        sc = T.meta_var(th.sc)
+        # S (rows: query heads; each lane keys 2c, 2c+1 of every 8-key tile n), scaled, masked past the end
+        for n in T.unroll(2 * NK):
+            sc[n, 0] = T.float32(0)
+            sc[n, 1] = T.float32(0)
+        for jj in T.unroll(NJ):  # the 2 NK accumulators advance side by side
+            for n in T.unroll(2 * NK):
+                T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[0], th.kc16[n // 2, n % 2, 2 * jj])
+                T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[1], th.kc16[n // 2, n % 2, 2 * jj + 1])
+                T.ptx[MMA_F16](
+                    sc[n, 0],
+                    sc[n, 1],
+                    th.junk[0],
+                    th.junk[1],
+                    th.qa[jj, 0],
+                    T.uint32(0),
+                    th.qa[jj, 1],
+                    T.uint32(0),
+                    th.kf[0],
+                    th.kf[1],
+                    sc[n, 0],
+                    sc[n, 1],
+                    T.float32(0),
+                    T.float32(0),
+                )
+        for n in T.unroll(2 * NK):
+            for e in T.unroll(2):
+                sc[n, e] = T.if_then_else(
+                    x_base(seq) + t * KB + th.w * KT + n * 8 + 2 * th.c + e < seq[DSEQ.end],
+                    sc[n, e] * th.tm[2],
+                    T.float32(neg_inf),
+                )
+        # online softmax (base 2) of row g: the 4 lanes of the row agree on its max
+        st[TILE.m_new] = th.tm[0]
+        for n in T.unroll(2 * NK):
+            st[TILE.m_new] = T.max(st[TILE.m_new], T.max(sc[n, 0], sc[n, 1]))
+        st[TILE.m_new] = T.max(st[TILE.m_new], shfl_xor(T.uint32(FULL), st[TILE.m_new], 1, WARP))
+        st[TILE.m_new] = T.max(st[TILE.m_new], shfl_xor(T.uint32(FULL), st[TILE.m_new], 2, WARP))
+        st[TILE.base] = T.if_then_else(st[TILE.m_new] == T.float32(neg_inf), T.float32(0), st[TILE.m_new])
+        st[TILE.alpha] = T.exp2(th.tm[0] - st[TILE.base])
+        th.tm[1] = th.tm[1] * st[TILE.alpha]
+        for mm in T.unroll(NM):
+            th.Oc[mm, 0] = th.Oc[mm, 0] * st[TILE.alpha]
+            th.Oc[mm, 1] = th.Oc[mm, 1] * st[TILE.alpha]
+        for n in T.unroll(2 * NK):
+            for e in T.unroll(2):
+                sc[n, e] = T.exp2(sc[n, e] - st[TILE.base])
+                th.tm[1] = th.tm[1] + sc[n, e]
+        th.tm[0] = st[TILE.m_new]
+        # O += P V, one 16-key group at a time
+        for kk in T.unroll(NK):
+            T.ptx[CVT_F16X2](th.pa[0], sc[2 * kk, 1], sc[2 * kk, 0])
+            T.ptx[CVT_F16X2](th.pa[1], sc[2 * kk + 1, 1], sc[2 * kk + 1, 0])
+            for w4 in T.unroll(VBY // 4):
+                for r2 in T.unroll(2):  # keys (2c, 2c+1), then (2c+8, 2c+9)
+                    th.pr[2 * r2] = T.call_extern(
+                        "uint32", "__byte_perm", th.vc[kk, 2 * r2, w4], th.vc[kk, 2 * r2 + 1, w4], T.uint32(PERM_LO)
+                    )
+                    th.pr[2 * r2 + 1] = T.call_extern(
+                        "uint32", "__byte_perm", th.vc[kk, 2 * r2, w4], th.vc[kk, 2 * r2 + 1, w4], T.uint32(PERM_HI)
+                    )
+                for dd in T.unroll(4):
+                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[0], th.pr16[dd])
+                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[1], th.pr16[4 + dd])
+                    T.ptx[MMA_F16](
+                        th.Oc[w4 * 4 + dd, 0],
+                        th.Oc[w4 * 4 + dd, 1],
+                        th.junk[0],
+                        th.junk[1],
+                        th.pa[0],
+                        T.uint32(0),
+                        th.pa[1],
+                        T.uint32(0),
+                        th.vf[0],
+                        th.vf[1],
+                        th.Oc[w4 * 4 + dd, 0],
+                        th.Oc[w4 * 4 + dd, 1],
+                        T.float32(0),
+                        T.float32(0),
+                    )
+
+    @macro
+    def tc_stream(b, hk, h0, tx, seq, st, Ms, Ls, Os, stg):
+        # the tensor-core path of one block: q as A fragments, the key stream, each warp's (m, l, O) of its
+        # GQ heads into Ms / Ls / Os for the final merge
+        w = T.meta_var(tx // WARP)
+        g = T.meta_var(tx % WARP // 4)
+        c = T.meta_var(tx % 4)
+        pid = T.alloc_buffer((NK * NI,), "int32", scope="local")
+        kc = T.alloc_buffer((NK, 2, KBY // 4), "uint32", scope="local")  # K codes, 4 per word
+        kc16 = T.decl_buffer((NK, 2, KBY // 2), "uint16", data=kc.data, scope="local")  # ... code pairs
+        vc = T.alloc_buffer((NK, 4, VBY // 4), "uint32", scope="local")
+        pr = T.alloc_buffer((4,), "uint32", scope="local")  # two keys' codes paired per dim
+        pr16 = T.decl_buffer((8,), "uint16", data=pr.data, scope="local")
+        qa = T.alloc_buffer((NJ, 2), "uint32", scope="local")  # q's A fragments (row g)
+        kf = T.alloc_buffer((2,), "uint32", scope="local")
+        vf = T.alloc_buffer((2,), "uint32", scope="local")
+        pa = T.alloc_buffer((2,), "uint32", scope="local")
+        sc = T.alloc_buffer((2 * NK, 2), "float32", scope="local")
+        junk = T.alloc_buffer((2,), "float32", scope="local")  # rows 8..15 of the mma tiles (unused)
+        Oc = T.alloc_buffer((NM, 2), "float32", scope="local")
+        tm = T.alloc_buffer((3,), "float32", scope="local")  # running max, lane's partial sum, q factor
+        th = T.meta_var(
+            TcThread(
+                hk, w, tx % WARP, g, c, tx, seq, pid, stg, kc, kc16, vc, pr, pr16, qa, kf, vf, pa, sc, junk, Oc, tm, st
+            )
+        )
+        tm[0] = T.float32(neg_inf)
+        tm[1] = T.float32(0)
+        tm[2] = times_key_scale(sm_scale * T.float32(LOG2E), scale, hk)
+        for mm in T.unroll(NM):
+            Oc[mm, 0] = T.float32(0)
+            Oc[mm, 1] = T.float32(0)
+        for jj in T.unroll(NJ):
+            for e in T.unroll(2):
+                qa[jj, e] = T.uint32(0)
+                if g < GQ:
+                    T.ptx[CVT_F16X2](
+                        qa[jj, e],
+                        T.Cast("float32", q[b, h0 + g, tc_kdim(c, jj) + 2 * e + 1]),
+                        T.Cast("float32", q[b, h0 + g, tc_kdim(c, jj) + 2 * e]),
+                    )
+        if seq[DSEQ.end] > x_base(seq):
+            tc_pages(th, 0)
+            for p in T.unroll(NS - 1):
+                tc_issue(th, p, p)
+        for t in T.serial(T.max(seq[DSEQ.end] - x_base(seq) + KB - 1, 0) // KB):
+            T.cuda.warp_sync()  # every lane has read the stage the next copies overwrite
+            tc_issue(th, t + NS - 1, (t + NS - 1) % NS)
+            T.ptx["cp.async.wait_group"](NS - 1)
+            T.cuda.warp_sync()  # ... and every lane's copies of tile t have landed
+            tc_read(th, t % NS)
+            tc_compute(th, t)
+        T.ptx["cp.async.wait_group"](0)
+        tm[1] = tm[1] + shfl_xor(T.uint32(FULL), tm[1], 1, WARP)
+        tm[1] = tm[1] + shfl_xor(T.uint32(FULL), tm[1], 2, WARP)
+        if g < GQ:
+            if c == 0:
+                Ms[w, g] = tm[0]
+                Ls[w, g] = tm[1]
+            for mm in T.unroll(NM):
+                for e in T.unroll(2):
+                    Os[w, g, tc_vdim(2 * c + e, mm)] = Oc[mm, e]
+
     @macro
     def store(ch, b, h, d, value, lse_value):
         # o / lse of (sequence b, query head h, element d) of this block (split: of its chunk ch)
@@ -431,6 +752,8 @@ def make_paged_decode_cuda(
         # one sequence run side by side
         bx = T.launch_thread("blockIdx.x", B * H_kv * NGB * NSPLIT)
         tx = T.launch_thread("threadIdx.x", NT)
+        if tc and TC_MB > 0:
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", TC_MB)
         ch = T.meta_var(bx % NSPLIT)
         b = T.meta_var(bx // NSPLIT // (H_kv * NGB))
         hk = T.meta_var(bx // NSPLIT // NGB % H_kv)
@@ -445,7 +768,7 @@ def make_paged_decode_cuda(
         # cp.async ring; allocated as float32 so kernels of different dtypes in one module declare the
         # same ``extern __shared__`` array, and viewed in the cache dtype
         stg_raw = T.alloc_buffer((STG_WORDS,), "float32", scope="shared.dyn")
-        stg = T.decl_buffer(STG_SHAPE, page_dtype, data=stg_raw.data, scope="shared.dyn")
+        stg = T.decl_buffer(STG_SHAPE, "uint32" if tc else page_dtype, data=stg_raw.data, scope="shared.dyn")
         seq = T.alloc_buffer((len(DSEQ),), "int32", scope="local")
         pid = T.alloc_buffer((NB, U), "int32", scope="local")  # page id of each key of the tile
         kb = T.alloc_buffer((NB, U, E), page_dtype, scope="local")
@@ -515,87 +838,93 @@ def make_paged_decode_cuda(
             if bx // NSPLIT % NGB == 0 and ch == 0:  # one block per (sequence, kv head) stores the new K/V
                 put_new_kv(b, hk, tx)
 
-        # ---- q (pre-scaled, rotated once) and the running state
-        q_factor = T.meta_var(times_key_scale(sm_scale * T.float32(LOG2E), scale, hk))
-        if rot_q:
-            for e in T.unroll(E):
-                fr[e] = rope_inv_freq(rope_scale, rope_theta, (lt * E + e) % HALF, D)
-        for g in T.unroll(GQ):
-            m[g] = T.float32(neg_inf)
-            l_sum[g] = T.float32(0)
-            for e in T.unroll(E):
-                O[g, e] = T.float32(0)
-                if rot_q:
-                    if lt < HT:
-                        Qr[g, e] = (
-                            T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
-                            - T.Cast("float32", q[b, h0 + g, lt * E + e + HALF])
-                            * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
-                        ) * q_factor
-                    else:
-                        Qr[g, e] = (
-                            T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
-                            + T.Cast("float32", q[b, h0 + g, lt * E + e - HALF])
-                            * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
-                        ) * q_factor
-                else:
-                    Qr[g, e] = T.Cast("float32", q[b, h0 + g, lt * E + e]) * q_factor
-
-        # ---- stream the keys: tile t, lane group (w, sub) takes keys t*KB + w*KPW*U + u*KPW + sub
-        if CPA:
-            if seq[DSEQ.end] > x_base(seq):
-                for u in T.unroll(U):
-                    pid[0, u] = page_indices[seq[DSEQ.page_base] + (slot_of(0, u, w, sub, seq) >> LOGP)]
-                for p in T.unroll(NS - 1):
-                    issue_tile(th, p, p)
-            for t in T.serial(T.max(seq[DSEQ.end] - x_base(seq) + KB - 1, 0) // KB):
-                issue_tile(th, t + NS - 1, (t + NS - 1) % NS)
-                T.ptx["cp.async.wait_group"](NS - 1)
-                read_stage(th, t % NS)
-                if append:
-                    take_new_kv(th, b, 0, t)
-                compute_tile(th, 0, t)
-            T.ptx["cp.async.wait_group"](0)
+        if tc:
+            tc_stream(b, hk, h0, tx, seq, st, Ms, Ls, Os, stg)
         else:
-            if seq[DSEQ.end] > x_base(seq):
-                for par in T.unroll(NB):
-                    for u in T.unroll(U):
-                        pid[par, u] = page_indices[seq[DSEQ.page_base] + (slot_of(par, u, w, sub, seq) >> LOGP)]
-                if double_buffer:
-                    load_tile(th, 0, 0)
-            for t2 in T.serial(T.max(seq[DSEQ.end] - x_base(seq) + KB * NB - 1, 0) // (KB * NB)):
-                for par in T.unroll(NB):
-                    if double_buffer:
-                        load_tile(th, 1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
+            # ---- q (pre-scaled, rotated once) and the running state
+            q_factor = T.meta_var(times_key_scale(sm_scale * T.float32(LOG2E), scale, hk))
+            if rot_q:
+                for e in T.unroll(E):
+                    fr[e] = rope_inv_freq(rope_scale, rope_theta, (lt * E + e) % HALF, D)
+            for g in T.unroll(GQ):
+                m[g] = T.float32(neg_inf)
+                l_sum[g] = T.float32(0)
+                for e in T.unroll(E):
+                    O[g, e] = T.float32(0)
+                    if rot_q:
+                        if lt < HT:
+                            Qr[g, e] = (
+                                T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
+                                - T.Cast("float32", q[b, h0 + g, lt * E + e + HALF])
+                                * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
+                            ) * q_factor
+                        else:
+                            Qr[g, e] = (
+                                T.Cast("float32", q[b, h0 + g, lt * E + e]) * T.cos(T.Cast("float32", q_pos[b]) * fr[e])
+                                + T.Cast("float32", q[b, h0 + g, lt * E + e - HALF])
+                                * T.sin(T.Cast("float32", q_pos[b]) * fr[e])
+                            ) * q_factor
                     else:
-                        load_tile(th, 0, t2)
-                    if append:
-                        take_new_kv(th, b, par, t2 * NB + par)
-                    compute_tile(th, par, t2 * NB + par)
+                        Qr[g, e] = T.Cast("float32", q[b, h0 + g, lt * E + e]) * q_factor
 
-        # ---- merge the lane groups of a warp (xor shuffles), then the warps (shared memory)
-        for r in T.unroll(KPW.bit_length() - 1):
-            for g in T.unroll(GQ):
-                acc[0] = shfl_xor(T.uint32(FULL), m[g], TPK << r, WARP)
-                st[MERGE.m_new] = T.max(m[g], acc[0])
-                st[MERGE.base] = T.if_then_else(st[MERGE.m_new] == T.float32(neg_inf), T.float32(0), st[MERGE.m_new])
-                st[MERGE.alpha] = T.exp2(m[g] - st[MERGE.base])
-                st[MERGE.beta] = T.exp2(acc[0] - st[MERGE.base])
-                l_sum[g] = (
-                    l_sum[g] * st[MERGE.alpha] + shfl_xor(T.uint32(FULL), l_sum[g], TPK << r, WARP) * st[MERGE.beta]
-                )
-                for e in T.unroll(E):
-                    O[g, e] = (
-                        O[g, e] * st[MERGE.alpha] + shfl_xor(T.uint32(FULL), O[g, e], TPK << r, WARP) * st[MERGE.beta]
+            # ---- stream the keys: tile t, lane group (w, sub) takes keys t*KB + w*KPW*U + u*KPW + sub
+            if CPA:
+                if seq[DSEQ.end] > x_base(seq):
+                    for u in T.unroll(U):
+                        pid[0, u] = page_indices[seq[DSEQ.page_base] + (slot_of(0, u, w, sub, seq) >> LOGP)]
+                    for p in T.unroll(NS - 1):
+                        issue_tile(th, p, p)
+                for t in T.serial(T.max(seq[DSEQ.end] - x_base(seq) + KB - 1, 0) // KB):
+                    issue_tile(th, t + NS - 1, (t + NS - 1) % NS)
+                    T.ptx["cp.async.wait_group"](NS - 1)
+                    read_stage(th, t % NS)
+                    if append:
+                        take_new_kv(th, b, 0, t)
+                    compute_tile(th, 0, t)
+                T.ptx["cp.async.wait_group"](0)
+            else:
+                if seq[DSEQ.end] > x_base(seq):
+                    for par in T.unroll(NB):
+                        for u in T.unroll(U):
+                            pid[par, u] = page_indices[seq[DSEQ.page_base] + (slot_of(par, u, w, sub, seq) >> LOGP)]
+                    if double_buffer:
+                        load_tile(th, 0, 0)
+                for t2 in T.serial(T.max(seq[DSEQ.end] - x_base(seq) + KB * NB - 1, 0) // (KB * NB)):
+                    for par in T.unroll(NB):
+                        if double_buffer:
+                            load_tile(th, 1 - par, t2 * 2 + par + 1)  # the next tile, into the other buffer
+                        else:
+                            load_tile(th, 0, t2)
+                        if append:
+                            take_new_kv(th, b, par, t2 * NB + par)
+                        compute_tile(th, par, t2 * NB + par)
+
+            # ---- merge the lane groups of a warp (xor shuffles), then the warps (shared memory)
+            for r in T.unroll(KPW.bit_length() - 1):
+                for g in T.unroll(GQ):
+                    acc[0] = shfl_xor(T.uint32(FULL), m[g], TPK << r, WARP)
+                    st[MERGE.m_new] = T.max(m[g], acc[0])
+                    st[MERGE.base] = T.if_then_else(
+                        st[MERGE.m_new] == T.float32(neg_inf), T.float32(0), st[MERGE.m_new]
                     )
-                m[g] = st[MERGE.m_new]
-        if sub == 0:
-            for g in T.unroll(GQ):
-                if lt == 0:
-                    Ms[w, g] = m[g]
-                    Ls[w, g] = l_sum[g]
-                for e in T.unroll(E):
-                    Os[w, g, lt * E + e] = O[g, e]
+                    st[MERGE.alpha] = T.exp2(m[g] - st[MERGE.base])
+                    st[MERGE.beta] = T.exp2(acc[0] - st[MERGE.base])
+                    l_sum[g] = (
+                        l_sum[g] * st[MERGE.alpha] + shfl_xor(T.uint32(FULL), l_sum[g], TPK << r, WARP) * st[MERGE.beta]
+                    )
+                    for e in T.unroll(E):
+                        O[g, e] = (
+                            O[g, e] * st[MERGE.alpha]
+                            + shfl_xor(T.uint32(FULL), O[g, e], TPK << r, WARP) * st[MERGE.beta]
+                        )
+                    m[g] = st[MERGE.m_new]
+            if sub == 0:
+                for g in T.unroll(GQ):
+                    if lt == 0:
+                        Ms[w, g] = m[g]
+                        Ls[w, g] = l_sum[g]
+                    for e in T.unroll(E):
+                        Os[w, g, lt * E + e] = O[g, e]
         T.tvm_storage_sync("shared")
         for r in T.unroll(NOUT):
             if r * NT + tx < GQ * D:

@@ -13,10 +13,24 @@ WARP = 32  # lanes per warp (the kernels take it from here through _kernel_commo
 DEFAULT_WARPS = 8
 REG_FLOATS = 32  # per-lane q (and O) floats: GQ * E <= REG_FLOATS
 LOAD_BYTES = 64  # per-lane K (and V) bytes loaded per tile: U * E * dtype_bytes ~ LOAD_BYTES
-# fp8 pages: a byte is a whole element to convert and multiply, so half the bytes per tile (U = 4 keys
-# of 8 codes at D 128) keep the work per tile of 16-bit pages; measured on an H200 (paged_decode
-# alone, 32x1024 .. 256x2048, two runs): 0.83-0.95x the time of 64 bytes (U = 8), and fewer registers
-FP8_LOAD_BYTES = 32
+# fp8 pages: a byte is a whole element to convert and multiply, so the per-key work (the shuffles that
+# sum a score over the TPK lanes of a key, once per query head) weighs more than with 16-bit pages; 16
+# codes per lane (TPK = D / 16, twice the registers for q and O), 4 warps and 4 keys of 16 codes per
+# lane group per tile measured 0.80-0.85x the time of the 16-bit pages' layout (8 codes per lane, 8
+# warps, 4 keys per tile) on an H200 (paged_decode alone, 32x1024 .. 256x2048, fp16 activations,
+# H_qo 32, H_kv 8, D 128; 4, 8 and 16 lanes per key, 2, 4 and 8 warps, 2, 4 and 8 keys per tile tried)
+FP8_LANE_ELEMS = 16
+FP8_REG_FLOATS = 64
+FP8_WARPS = 4
+FP8_LOAD_BYTES = 64
+# fp8 pages under fp16 activations, head_dim 128 or 256: the tensor-core layout (decode_cuda, "Tensor
+# cores"): a warp takes TC_GROUPS x 16 keys per tile, up to TC_MAX_HEADS query heads as the rows of
+# its mma.sync m16n8k16 tiles. 2 warps of 32 keys (3 stages, decode_cuda.TC_STAGES) measured fastest
+# of 1, 2, 4, 8 warps x 16, 32 keys x 2, 3, 4, 6 stages on an H200 (same shapes; bench/RESULTS.md)
+TC_WARPS = 2
+TC_GROUPS = 2
+TC_MAX_HEADS = 8
+TC_HEAD_DIMS = (128, 256)
 SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
 
 MERGE_MAX_SPLITS = 64  # most chunks paged_decode_split_merge merges in-kernel (more: split + merge_splits)
@@ -27,20 +41,47 @@ STAGE_COLS = 5
 
 def decode_layout(
     spec: KernelSpec,
-    num_warps: int = DEFAULT_WARPS,
+    num_warps: int | None = None,
     unroll: int | None = None,
-    max_tpk: int = WARP,
-    reg_floats: int = REG_FLOATS,
+    max_tpk: int | None = None,
+    reg_floats: int | None = None,
     load_bytes: int | None = None,
+    tensor_cores: bool | None = None,
+    tc_groups: int | None = None,
 ):
     """Static thread layout of the CUDA decode kernel, or ``None`` where it does not apply.
 
+    ``tensor_cores`` (default: where it applies, :func:`tensor_core_layout`) picks the tensor-core layout
+    of fp8 pages; ``False`` the CUDA-core one (the kernels with a sliding window or inline RoPE).
+
+    The knobs left ``None`` take the defaults of the page dtype: :data:`DEFAULT_WARPS`, up to 32 lanes
+    per key, :data:`REG_FLOATS` and :data:`LOAD_BYTES` for 16-bit pages; the ``FP8_*`` ones for fp8.
+
     Returns a dict: VEC (elements per 16-byte load), TPK (lanes per key), E (elements per lane),
     KPW (keys per warp), U (keys per lane group per tile), GQ (query heads per block), NW (warps),
-    KB (keys per block per tile), NGB (blocks per kv head).
+    KB (keys per block per tile), NGB (blocks per kv head); the tensor-core layout has TC True and
+    NK (16-key groups per warp per tile), GQ, NW, KB and NGB.
     """
+    if tensor_cores is not False:
+        lay = tensor_core_layout(spec, num_warps, tc_groups)
+        if lay is not None:
+            return lay
+        if tensor_cores:
+            raise ValueError(
+                f"tensor_cores=True for {spec.tag}: the tensor-core decode needs fp8 pages, float16 activations "
+                f"and head_dim in {TC_HEAD_DIMS} on cuda; leave tensor_cores unset"
+            )
     D, group = spec.head_dim, spec.group
     eb = dtype_bytes(spec.page_dtype)
+    fp8 = spec.fp8_pages
+    if num_warps is None:
+        num_warps = FP8_WARPS if fp8 else DEFAULT_WARPS
+    if max_tpk is None:
+        max_tpk = max(2, D // FP8_LANE_ELEMS) if fp8 else WARP
+    if reg_floats is None:
+        reg_floats = FP8_REG_FLOATS if fp8 else REG_FLOATS
+    if load_bytes is None:
+        load_bytes = FP8_LOAD_BYTES if fp8 else LOAD_BYTES
     # elements per vector load of a page row: 16 bytes; fp8 pages 8 bytes (8 codes: the widest fp8
     # vector TVM's CUDA codegen has)
     vec = (8 if spec.fp8_pages else 16) // eb
@@ -53,8 +94,6 @@ def decode_layout(
     E = D // tpk
     if tpk < 2 or E > reg_floats:
         return None
-    if load_bytes is None:
-        load_bytes = FP8_LOAD_BYTES if spec.fp8_pages else LOAD_BYTES
     U = unroll if unroll is not None else max(1, min(8, load_bytes // (E * eb)))
     cap = max(1, min(reg_floats // E, SMEM_FLOATS // (num_warps * D)))
     GQ = max(x for x in range(1, min(group, cap) + 1) if group % x == 0)
@@ -69,16 +108,33 @@ def decode_layout(
         "NW": num_warps,
         "KB": num_warps * KPW * U,
         "NGB": group // GQ,
+        "TC": False,
     }
 
 
-def split_granule(spec: KernelSpec) -> tuple:
-    """``(blocks per sequence, keys per tile)`` of ``paged_decode_split`` for ``spec``, or ``None``
-    where the target has no split kernel (cuda shapes without the fast layout). On llvm the split
-    kernel loops key by key: one block per (sequence, kv head), one key per tile."""
+def tensor_core_layout(spec: KernelSpec, num_warps: int | None = None, tc_groups: int | None = None):
+    """The tensor-core decode layout of ``spec`` (fp8 pages, fp16 activations, head_dim in
+    :data:`TC_HEAD_DIMS`, cuda), else ``None``: ``GQ`` query heads per block (the largest divisor of
+    the group up to :data:`TC_MAX_HEADS`), ``NW`` warps of ``16 NK`` keys per tile each."""
+    if not (
+        spec.target_kind == "cuda" and spec.fp8_pages and spec.dtype == "float16" and spec.head_dim in TC_HEAD_DIMS
+    ):
+        return None
+    nw = TC_WARPS if num_warps is None else num_warps
+    nk = TC_GROUPS if tc_groups is None else tc_groups
+    group = spec.group
+    GQ = max(x for x in range(1, min(group, TC_MAX_HEADS) + 1) if group % x == 0)
+    return {"TC": True, "NK": nk, "GQ": GQ, "NW": nw, "KB": nw * 16 * nk, "NGB": group // GQ}
+
+
+def split_granule(spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False) -> tuple:
+    """``(blocks per sequence, keys per tile)`` of ``paged_decode_split`` for ``spec`` (of the kernel set
+    with a sliding window / inline RoPE, whose fp8 decode takes the CUDA-core layout), or ``None`` where
+    the target has no split kernel (cuda shapes without the fast layout). On llvm the split kernel loops
+    key by key: one block per (sequence, kv head), one key per tile."""
     if spec.target_kind == "llvm":
         return spec.num_kv_heads, 1
-    lay = decode_layout(spec)
+    lay = decode_layout(spec, tensor_cores=False if (sliding or inline_rope) else None)
     if lay is None:
         return None
     return spec.num_kv_heads * lay["NGB"], lay["KB"]
