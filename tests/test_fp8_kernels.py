@@ -101,9 +101,10 @@ def _edges(rng, shape, fmt, scale_k):
 
 @pytest.mark.parametrize("fmt", FP8_DTYPES)
 def test_fp8_append_stores_codes(target, fmt, rng):
-    """``append`` and ``append_qkv`` store ``quantize(x / scale)`` bit for bit (rounding to nearest
-    even, saturation, zeros and subnormals), skip negative slots, leave every other slot alone; the
-    pages' other kernels copy codes unchanged (``copy_page``, ``gather``)."""
+    """``append``, ``append_qkv`` and the prefill that appends (``ragged_prefill_causal_qkv``) store
+    ``quantize(x / scale)`` bit for bit (rounding to nearest even, saturation, zeros and subnormals),
+    skip negative slots, leave every other slot alone; the pages' other kernels copy codes unchanged
+    (``copy_page``, ``gather``)."""
     spec = _spec(target, fmt)
     lib = load_kernels(spec, rope_mode="none")
     n = 9
@@ -121,9 +122,19 @@ def test_fp8_append_stores_codes(target, fmt, rng):
         want[s // P, 0, :, s % P] = _codes(fp8_ref.quantize(k[i], scale[0], fmt), fmt)
         want[s // P, 1, :, s % P] = _codes(fp8_ref.quantize(v[i], scale[1], fmt), fmt)
     qkv = np.concatenate([np.full((n, H_QO, D), np.nan, np.float16), k, v], axis=1)
-    for name, inputs in (("append", (k, v)), ("append_qkv", (qkv,))):
+    prefill_args = [np.array([0, n], np.int32), np.arange(n, dtype=np.int32), np.zeros((n, 2), np.int32)]
+    for name in ("append", "append_qkv", "ragged_prefill_causal_qkv"):
         pages = to_dev(before.view(fp8_ref.np_dtype(fmt)), target)
-        lib[name](pages, to_dev(scale, target), *[to_dev(a, target) for a in inputs], to_dev(slot, target))
+        scale_d, slot_d = to_dev(scale, target), to_dev(slot, target)
+        if name == "append":
+            lib[name](pages, scale_d, to_dev(k, target), to_dev(v, target), slot_d)
+        elif name == "append_qkv":
+            lib[name](pages, scale_d, to_dev(qkv, target), slot_d)
+        else:  # a prefill without history stores the new K/V as it attends (cuda sm_90: its copying warps)
+            o = to_dev(np.zeros((n, H_QO, D), np.float16), target)
+            lse = to_dev(np.zeros((n, H_QO), np.float32), target)
+            args = [to_dev(a, target) for a in (qkv, *prefill_args)]
+            lib[name](*args, pages, scale_d, slot_d, o, lse, 1.0, *ROPE)
         got = pages.numpy().view(np.uint8)
         nan = np.isnan(want.view(fp8_ref.np_dtype(fmt)).astype(np.float32))  # (NaN codes may differ in bits)
         assert np.isnan(got.view(fp8_ref.np_dtype(fmt))[nan].astype(np.float32)).all()
