@@ -493,13 +493,13 @@ def test_fp8_decode_with_inline_rope_and_window(target, rng):
 # the tensor-core decode (decode_cuda, "Tensor cores"): H_qo, H_kv, D, P, format
 TC_SHAPES = [
     (8, 2, 128, 16, "float8_e4m3fn"),  # group 4: mma rows 4..15 idle; a 16-key group in one or two pages
-    (16, 1, 256, 8, "float8_e5m2"),  # group 16: two blocks of 8 heads; pages of 8 slots (a page id a row)
+    (16, 1, 128, 8, "float8_e5m2"),  # group 16: two blocks of 8 heads; pages of 8 slots (a page id a row)
 ]
 
 
 @pytest.mark.parametrize("shape", TC_SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_fp8_tensor_core_decode(target, shape, rng):
-    """The cuda decode of fp8 pages under fp16 activations at head_dim 128 / 256 runs on the tensor cores
+    """The cuda decode of fp8 pages under fp16 activations at head_dim 128 runs on the tensor cores
     (q's heads as mma rows, K and V codes converted into B fragments, P from the score accumulators):
     unsplit, split (chunks below a 16-key group, not a multiple of it, of several tiles, beyond every
     sequence; the empty sequence included) + merge_splits, and split + merge in one launch, against the
@@ -552,7 +552,7 @@ def test_fp8_split_granule_follows_the_decode_layout():
     CUDA-core (sliding window, inline RoPE), whose blocks per sequence differ at a group of 8 or 16."""
     from tvmkv.tir.decode_layout import decode_layout, split_granule
 
-    for h_qo, h_kv, d in [(32, 8, 128), (64, 8, 128), (32, 2, 256), (16, 1, 256)]:
+    for h_qo, h_kv, d in [(32, 8, 128), (64, 8, 128), (32, 2, 128), (16, 1, 128)]:
         spec = KernelSpec(h_qo, h_kv, d, 16, "float16", "cuda", "float8_e4m3fn")
         tc, simt = decode_layout(spec), decode_layout(spec, tensor_cores=False)
         assert tc["TC"] and not simt["TC"]
@@ -562,6 +562,7 @@ def test_fp8_split_granule_follows_the_decode_layout():
     spec = KernelSpec(64, 8, 128, 16, "float16", "cuda", "float8_e4m3fn")  # group 8: one block vs two
     assert split_granule(spec)[0] == 8 and split_granule(spec, sliding=True)[0] == 16
     for spec in (
+        KernelSpec(32, 8, 256, 16, "float16", "cuda", "float8_e4m3fn"),
         KernelSpec(4, 2, 64, 16, "float16", "cuda", "float8_e4m3fn"),
         KernelSpec(32, 8, 128, 16, "bfloat16", "cuda", "float8_e4m3fn"),
     ):
@@ -574,18 +575,20 @@ def test_fp8_split_granule_follows_the_decode_layout():
 def test_fp8_cuda_decode_compiles(tmp_path):
     """The CUDA decode over fp8 pages (unsplit, split, split + merge; both formats) gives source nvcc
     accepts for sm_89 and sm_90 (the pair conversions need sm_89): the tensor-core schedule (fp16
-    activations, head_dim 128 and 256 with pages of 8 slots) and the CUDA-core one (head_dim 64; a
+    activations, head_dim 128, with pages of 8 slots too) and the CUDA-core one (head_dim 64 and 256; a
     sliding window with attention sink at 256; bf16 activations at 128: the tensor-core layout does not
-    apply), each reading a K/V row once for all query heads of its group (up to 8 per block on tensor
-    cores: two blocks for a group of 16); runs on a machine without a GPU. (Inline RoPE over fp8 pages
-    runs in test_fp8_decode_with_inline_rope_and_window on the GPU.)"""
+    apply), each kernel on its own schedule (mma only on the tensor-core one), the group's query heads
+    spread over as few blocks as the layout allows (up to 8 a block on tensor cores, 4 on CUDA cores);
+    runs on a machine without a GPU. (Inline RoPE over fp8 pages runs in
+    test_fp8_decode_with_inline_rope_and_window on the GPU.)"""
     from tvmkv.build import compile_funcs
     from tvmkv.tir.decode_cuda import decode_layout, make_paged_decode_cuda
 
     funcs = {}
     cases = [  # format, H_qo, H_kv, D, P, activations, extra, tensor cores
         ("float8_e4m3fn", 32, 8, 128, 16, "float16", {}, True),
-        ("float8_e5m2", 16, 1, 256, 8, "float16", {}, True),
+        ("float8_e5m2", 16, 1, 128, 8, "float16", {}, True),
+        ("float8_e5m2", 16, 1, 256, 8, "float16", {}, False),
         ("float8_e5m2", 32, 8, 64, 16, "float16", {}, False),
         ("float8_e4m3fn", 32, 8, 256, 16, "float16", {"sliding": True}, False),
         ("float8_e4m3fn", 32, 8, 128, 16, "bfloat16", {}, False),
@@ -593,11 +596,15 @@ def test_fp8_cuda_decode_compiles(tmp_path):
     for k, (fmt, h_qo, h_kv, d, p, dtype, extra, tc) in enumerate(cases):
         spec = KernelSpec(h_qo, h_kv, d, p, dtype, "cuda", fmt)
         lay = decode_layout(spec, tensor_cores=None if not extra else False)
-        assert lay["TC"] == tc and lay["GQ"] * lay["NGB"] == spec.group and lay["GQ"] >= min(spec.group, 8), lay
+        assert (
+            lay["TC"] == tc and lay["GQ"] * lay["NGB"] == spec.group and lay["GQ"] >= min(spec.group, 8 if tc else 4)
+        ), lay
         assert tc or lay["E"] == 16, lay  # CUDA-core fp8 layout: 16 codes per lane
         funcs[f"decode_{k}"] = make_paged_decode_cuda(spec, **extra)
         funcs[f"split_{k}"] = make_paged_decode_cuda(spec, split=True, **extra)
         funcs[f"split_merge_{k}"] = make_paged_decode_cuda(spec, split=True, merge=True, **extra)
+        for name in (f"decode_{k}", f"split_{k}", f"split_merge_{k}"):  # each kernel on its own schedule
+            assert ("T.ptx.mma(" in funcs[name].script()) == tc, name
     with pytest.raises(ValueError, match="tensor_cores=True"):
         make_paged_decode_cuda(
             KernelSpec(32, 8, 128, 16, "float16", "cuda", "float8_e4m3fn"), sliding=True, tensor_cores=True

@@ -32,7 +32,7 @@ Design (one query token per sequence, so the kernel is a pure stream over the se
   tile's probabilities). Their layout differs (``decode_layout.FP8_*``): 16 codes per lane, so half
   the lanes per key and half the shuffles summing each score, 4 warps per block. That CUDA-core
   schedule serves fp8 pages only where the tensor-core one does not apply (below).
-* Tensor cores (fp8 pages under fp16 activations, head_dim 128 or 256, no sliding window, no inline
+* Tensor cores (fp8 pages under fp16 activations, head_dim 128, no sliding window, no inline
   RoPE: :func:`decode_layout.tensor_core_layout`). On the CUDA cores every fp8 element costs a
   conversion, a multiply-add per query head and its share of the score shuffles, too many instructions
   to read at the memory's rate (ncu, 64x4096 on an H200: 152 M warp instructions against 57 M here);

@@ -23,14 +23,17 @@ FP8_LANE_ELEMS = 16
 FP8_REG_FLOATS = 64
 FP8_WARPS = 4
 FP8_LOAD_BYTES = 64
-# fp8 pages under fp16 activations, head_dim 128 or 256: the tensor-core layout (decode_cuda, "Tensor
+# fp8 pages under fp16 activations, head_dim 128: the tensor-core layout (decode_cuda, "Tensor
 # cores"): a warp takes TC_GROUPS x 16 keys per tile, up to TC_MAX_HEADS query heads as the rows of
 # its mma.sync m16n8k16 tiles. 2 warps of 32 keys (3 stages, decode_cuda.TC_STAGES) measured fastest
 # of 1, 2, 4, 8 warps x 16, 32 keys x 2, 3, 4, 6 stages on an H200 (same shapes; bench/RESULTS.md)
 TC_WARPS = 2
 TC_GROUPS = 2
 TC_MAX_HEADS = 8
-TC_HEAD_DIMS = (128, 256)
+# head_dim 256 stays on the CUDA cores: there the tensor-core kernel spilled registers (ptxas) and
+# measured 0.93-1.15x the CUDA-core time on an H100 (32x1024, 64x4096, 128x2048; bench/RESULTS.md), and its
+# 96 KiB ring would not fit sm_89's shared memory
+TC_HEAD_DIMS = (128,)
 SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
 
 MERGE_MAX_SPLITS = 64  # most chunks paged_decode_split_merge merges in-kernel (more: split + merge_splits)
@@ -78,6 +81,9 @@ def decode_layout(
         num_warps = FP8_WARPS if fp8 else DEFAULT_WARPS
     if max_tpk is None:
         max_tpk = max(2, D // FP8_LANE_ELEMS) if fp8 else WARP
+    # admission: at most REG_FLOATS elements per lane (unless given), so every page dtype takes the fast
+    # path on the same head dims (fp8 pages' larger register budget only widens GQ)
+    most_e = REG_FLOATS if reg_floats is None else reg_floats
     if reg_floats is None:
         reg_floats = FP8_REG_FLOATS if fp8 else REG_FLOATS
     if load_bytes is None:
@@ -92,7 +98,7 @@ def decode_layout(
     while tpk < min(WARP, max_tpk) and chunks % (tpk * 2) == 0:
         tpk *= 2
     E = D // tpk
-    if tpk < 2 or E > reg_floats:
+    if tpk < 2 or E > most_e:
         return None
     U = unroll if unroll is not None else max(1, min(8, load_bytes // (E * eb)))
     cap = max(1, min(reg_floats // E, SMEM_FLOATS // (num_warps * D)))
