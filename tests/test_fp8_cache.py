@@ -21,10 +21,11 @@ from tvmkv.tir.spec import FP8_DTYPES
 L, HQ, HKV, D, P = 2, 4, 2, 64, 16
 
 
-def _cache(target, fmt, **kw):
+def _cache(target, fmt, *, layers=L, heads=(HQ, HKV, D), **kw):
     opts = dict(page_size=P, dtype="float16", kv_dtype=fmt, max_batch_size=4, max_total_seq_len=512)
-    opts.update(prefill_chunk_size=96, target=target, **kw)
-    return PagedAttentionKVCache(L, HQ, HKV, D, **opts)
+    opts.update(prefill_chunk_size=96, target=target)
+    opts.update(kw)
+    return PagedAttentionKVCache(layers, *heads, **opts)
 
 
 def _store(scales, fmt):
@@ -97,19 +98,14 @@ def test_fp8_decode_of_a_group_of_eight_through_the_cache(target, sliding, rng):
     sizes the merge's arrival counters for it); llvm has one schedule for both."""
     fmt, hq, hkv, d = "float8_e4m3fn", 16, 2, 128
     scales = rng.uniform(0.004, 0.03, (1, 2, hkv)).astype(np.float32)
-    cache = PagedAttentionKVCache(
-        1,
-        hq,
-        hkv,
-        d,
-        page_size=P,
-        dtype="float16",
-        kv_dtype=fmt,
+    cache = _cache(
+        target,
+        fmt,
+        layers=1,
+        heads=(hq, hkv, d),
         kv_scales=scales,
-        max_batch_size=4,
         max_total_seq_len=2048,
         prefill_chunk_size=512,
-        target=target,
         support_sliding_window=sliding,
         decode_splits=4,
     )

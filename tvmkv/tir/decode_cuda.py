@@ -188,18 +188,6 @@ def make_paged_decode_cuda(
     rot_q = rope or rotate  # q rotated at load (inline RoPE, or rope mode "normal" when fused with the append)
     sliding = bool(sliding)
     NB = 2 if double_buffer else 1
-    # cp.async staging: each lane copies its own 16-byte chunks into its own slots of a ring of NS
-    # tiles in shared memory and reads back only those, so no barrier is needed
-    CHUNK = VEC * dtype_bytes(page_dtype)  # bytes of one load: 16 (fp8 pages: 8, with cp.async.ca)
-    COPY = CP16 if CHUNK == 16 else CP8
-    if stages is None:
-        stages = TC_STAGES if tc else DEFAULT_STAGES
-    NS = 1 if double_buffer else max(1, min(stages, STAGE_BYTES // (NT * U * 2 * NC * CHUNK)))
-    if NS < 2:
-        NS = 1
-    CPA = NS >= 2
-    STG_SHAPE = (NS, U, 2, NC, NT, VEC) if CPA else (1, 1, 1, 1, 1, VEC)
-    STG_WORDS = max(1, math.prod(STG_SHAPE) * dtype_bytes(page_dtype) // 4)
     # tensor-core path: each warp's K and V rows of a tile, whole, in its slots of a ring of NS stages; a lane
     # reads back its fragments' codes (per 16-key group: D / 4 bytes of 2 K rows, D / 8 bytes of 4 V rows)
     NK = lay.get("NK", 1)  # 16-key groups per warp per tile
@@ -210,10 +198,22 @@ def make_paged_decode_cuda(
     NI = CPR // 2  # copy instructions of a 16-key group's K (or V) rows
     NJ, NM = D // 16, D // 8  # k16 steps of S = Q K^T, n8 tiles of O += P V
     TC_MB = TC_MIN_BLOCKS if tc_min_blocks is None else tc_min_blocks  # __launch_bounds__ (0: none)
+    # CUDA-core path: each lane copies its own 16-byte chunks into its own slots of a ring of NS tiles in
+    # shared memory and reads back only those, so no barrier is needed
+    CHUNK = VEC * dtype_bytes(page_dtype)  # bytes of one load: 16 (fp8 pages: 8, with cp.async.ca)
+    COPY = CP16 if CHUNK == 16 else CP8
     if tc:
-        NS = max(2, min(stages, STAGE_BYTES // (NW * 2 * KT * D)))
+        NS = max(2, min(TC_STAGES if stages is None else stages, STAGE_BYTES // (NW * 2 * KT * D)))
         STG_SHAPE = (NS, NW, 2, KT, CPR, 4)  # uint32 words: stage, warp, K | V, row, chunk
         STG_WORDS = math.prod(STG_SHAPE)
+    else:
+        stages = DEFAULT_STAGES if stages is None else stages
+        NS = 1 if double_buffer else max(1, min(stages, STAGE_BYTES // (NT * U * 2 * NC * CHUNK)))
+        if NS < 2:
+            NS = 1
+        STG_SHAPE = (NS, U, 2, NC, NT, VEC) if NS >= 2 else (1, 1, 1, 1, 1, VEC)
+        STG_WORDS = max(1, math.prod(STG_SHAPE) * dtype_bytes(page_dtype) // 4)
+    CPA = NS >= 2
     neg_inf = float("-inf")
     shfl_xor = getattr(T.cuda, "__shfl_xor_sync")
     FULL = 0xFFFFFFFF
