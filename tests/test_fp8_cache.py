@@ -16,6 +16,7 @@ import pytest
 from tvmkv import PagedAttentionKVCache
 from tvmkv.reference import fp8 as fp8_ref
 from tvmkv.reference.cache_model import CacheModel
+from tvmkv.runtime.tensors import numpy_dtype
 from tvmkv.tir.spec import FP8_DTYPES
 
 L, HQ, HKV, D, P = 2, 4, 2, 64, 16
@@ -40,16 +41,19 @@ def _store(scales, fmt):
     return store
 
 
-def _step(cache, model, rng, ids, lens, check_kv=(), split=False):
+def _step(cache, model, rng, ids, lens, check_kv=(), split=False, widened=False):
     cfg = cache.config
     cache.begin_forward(ids, lens)
     if split:  # a decode cut into chunks (decode_splits)
         assert cache.debug_forward().num_splits > 1
+    # a prefill over fp8 pages run on their codes widened to 16 bits, where the library has that schedule
+    assert cache.debug_forward().widened == (widened and "widened_prefill_causal" in cache.kernels)
     model.begin(ids, lens)
     raw = cache.debug_forward().kernel.startswith("ragged")  # a prefill without history reads no page
     n = sum(lens)
     for layer in range(cfg.num_layers):
-        qkv = (rng.standard_normal((n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim)) * 2).astype(np.float16)
+        qkv = rng.standard_normal((n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim)) * 2
+        qkv = qkv.astype(numpy_dtype(cfg.dtype))
         o = cache.attention_with_fused_qkv(layer, qkv)
         want, _ = model.attention(layer, qkv, new_raw=raw)
         np.testing.assert_allclose(np.asarray(o, np.float64), want, atol=2e-2, rtol=2e-2)
@@ -63,17 +67,19 @@ def _step(cache, model, rng, ids, lens, check_kv=(), split=False):
         np.testing.assert_allclose(v, mv, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("fmt", FP8_DTYPES)
-def test_fp8_cache_matches_the_quantized_model(target, fmt, rng):
+@pytest.mark.parametrize("fmt, dtype", [*((f, "float16") for f in FP8_DTYPES), ("float8_e4m3fn", "bfloat16")])
+def test_fp8_cache_matches_the_quantized_model(target, fmt, dtype, rng):
     scales = rng.uniform(0.004, 0.03, (L, 2, HKV)).astype(np.float32)
-    cache = _cache(target, fmt, kv_scales=scales)
+    cache = _cache(target, fmt, kv_scales=scales, dtype=dtype)
     assert np.array_equal(np.stack([cache.kv_scales(layer) for layer in range(L)]), scales)
-    model = CacheModel(L, HQ, HKV, D, dtype="float16", kv_store=_store(scales, fmt))
+    model = CacheModel(L, HQ, HKV, D, dtype=dtype, kv_store=_store(scales, fmt))
     for s in (0, 1, 2):
         cache.add_sequence(s)
         model.add(s)
     _step(cache, model, rng, [0, 1, 2], [40, 7, 17], check_kv=(0, 1))  # prefill, no history (raw K/V)
     _step(cache, model, rng, [0, 2], [9, 30], check_kv=(2,))  # chunked prefill over fp8 history
+    # ... with enough tokens a sequence that sm_90 widens the pages for the warpgroup-MMA schedule
+    _step(cache, model, rng, [1], [80], check_kv=(1,), widened=True)
     for _ in range(3):
         _step(cache, model, rng, [0, 1, 2], [1, 1, 1])
     cache.fork_sequence(1, 3, 5)  # inside a page: the shared partial page is copied (codes)

@@ -625,3 +625,61 @@ def test_fp8_cuda_decode_compiles(tmp_path):
         ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fmt, dtype", [("float8_e4m3fn", "float16"), ("float8_e5m2", "bfloat16")])
+def test_fp8_widen_pages_writes_listed_pages_codes_exactly(target, fmt, dtype, rng):
+    """``widen_pages`` writes row i = the codes of page page_ids[i] as values of the activation dtype,
+    exactly (NumPy: ml_dtypes' decoding, then the cast, which must not round), over the whole range
+    (saturated codes, subnormals, zeros, NaN); only the first m ids are read."""
+    lib = load_kernels(_spec(target, fmt, dtype), rope_mode="none")
+    scale = _scales(rng)
+    values = (rng.standard_normal((9, 2, H_KV, P, D)) * 200).astype(np.float32) * scale[None, :, :, None, None]
+    values[4, 0, 1, 2, :4] = [0.0, -0.0, 1e-30, -1e-30]
+    values[4, 0, 1, 2, 4:8] = scale[0, 1] * fp8_ref.largest(fmt) * np.array([1, -1, 1e-3, -1e-4], np.float32)
+    codes = fp8_ref.quantize_pages(values, scale, fmt)
+    codes.view(np.uint8)[4, 1, 0, 3, :2] = [0x7F, 0xFF]  # NaN codes (both formats)
+    ids = np.array([4, 0, 7, 7, 2, 8], np.int32)  # a repeated page too; the last id is not read (m = 5)
+    exact = codes[ids[:5]].astype(np.float64)
+    out = to_dev(np.zeros((5, 2, H_KV, P, D), numpy_dtype(dtype)), target)
+    lib["widen_pages"](to_dev(codes, target), to_dev(ids, target), out)
+    got = out.numpy().astype(np.float64)
+    nan = np.isnan(exact)
+    assert nan.sum() == 2 and np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan], exact[~nan])
+
+
+def test_fp8_prefill_widens_where_16bit_pages_take_warpgroup_mma(tmp_path):
+    """A cuda sm_90 kernel set of fp8 pages (16-bit activations, no sliding window, no inline RoPE) adds
+    ``widen_pages`` and the 16-bit pages' warpgroup-MMA prefill taking the scales
+    (``widened_prefill_causal``, ``_qkv`` in rope mode "none") for the runtime to run a prefill over fp8
+    history on; other archs and variants keep the schedule that reads fp8 pages, and asking for the
+    scaled warpgroup-MMA kernel outside its layout is refused. The new kernels compile for sm_90a with
+    nvcc, no spills (runs without a GPU)."""
+    from conftest import assert_sm90a_clean
+
+    from tvmkv.tir import kernel_set
+    from tvmkv.tir.page_ops import make_widen_pages
+    from tvmkv.tir.prefill import make_paged_prefill, uses_warpgroup_mma
+
+    spec = KernelSpec(32, 8, 128, 16, "float16", "cuda", "float8_e4m3fn")
+    wide = KernelSpec(32, 8, 128, 16, "float16", "cuda")
+    assert uses_warpgroup_mma(wide, mask="causal", arch="sm_90")
+    assert not uses_warpgroup_mma(spec, mask="causal", arch="sm_90")  # (fp8 pages themselves: mma.sync)
+    assert not uses_warpgroup_mma(wide, mask="causal", arch="sm_89")
+    assert not uses_warpgroup_mma(wide, mask="causal", arch="sm_90", sliding=True)
+    assert not uses_warpgroup_mma(wide, mask="causal", arch="sm_90", inline_rope=True)
+    with pytest.raises(ValueError, match="kv_scale=True"):
+        make_paged_prefill(wide, mask="causal", arch="sm_89", kv_scale=True)
+    lib = kernel_set(spec, rope_mode="none", arch="sm_90")
+    assert {"widen_pages", "widened_prefill_causal", "widened_prefill_causal_qkv"} <= set(lib)
+    for name in ("widened_prefill_causal", "widened_prefill_causal_qkv"):
+        names = [p.name for p in lib[name].params]
+        assert "wgmma" in lib[name].script() and names[names.index("pages") + 1] == "kv_scale", names
+    funcs = {
+        f"widen_{k}": make_widen_pages(KernelSpec(32, 8, 128, 16, dtype, "cuda", fmt))
+        for k, (fmt, dtype) in enumerate([("float8_e4m3fn", "float16"), ("float8_e5m2", "bfloat16")])
+    }
+    funcs["widened_prefill"] = lib["widened_prefill_causal"]
+    src = assert_sm90a_clean(funcs, tmp_path, "widen_pages")
+    assert "cvt.rn.f16x2.e4m3x2" in src and "cvt.rn.bf16x2.f32" in src

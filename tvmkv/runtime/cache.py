@@ -619,7 +619,9 @@ class PagedAttentionKVCache:
         self._step += 1
         if plan.kernel != "paged_decode":
             dev = planner.device_views(plan)
-            self._fwd = L.bind(plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot)
+            self._fwd = L.bind(
+                plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot, nnz=plan.nnz
+            )
             return
         # a decode forward binds only device views of its shape and slot, and its split: the one bound
         # last over them is kept (Planner.keep_forward) and reused with this step's batch
@@ -1279,7 +1281,9 @@ class PagedAttentionKVCache:
             raise ForwardStateError("debug_forward called outside begin_forward/end_forward")
         arrays = {name: t.numpy() for name, t in fwd.dev.items()}
         on_device = self._planned_on_device
-        return ForwardInfo(fwd.kernel, fwd.decode_split.num_splits, self._repeated, fwd.slot, arrays, on_device)
+        return ForwardInfo(
+            fwd.kernel, fwd.decode_split.num_splits, self._repeated, fwd.slot, arrays, on_device, bool(fwd.widened)
+        )
 
     def graph_key(self) -> tuple:
         """A hashable key of the open forward for CUDA-graph capture (docs/cuda_graphs.md): a graph of

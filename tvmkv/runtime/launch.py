@@ -28,6 +28,11 @@ from .index_buffer import IndexBuffers
 from .plan import PackedLayout
 
 _MAX_SCRATCH_VIEWS = 256  # cached scratch views (one set per distinct token count) before clearing
+# a prefill over fp8 pages widens the forward's pages for the 16-bit pages' faster schedule (kernel set's
+# "widened_prefill_causal") from this many new tokens per sequence on average: each page is then read by
+# enough query rows that the faster products repay converting it (below, the schedule reading fp8 pages
+# itself is kept)
+WIDEN_MIN_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -61,6 +66,10 @@ class Forward:
     local: Any = None  # the attention kernel's per-layer-window variant (same arguments + layer_window)
     shared: tuple = ()  # (kernel, local kernel, head, tail): paged attention over a given layer's pages
     key: tuple = ()  # graph_key's value, computed on first use
+    # a prefill over fp8 pages run on their codes widened to 16 bits: (widen_pages, page_ids, rows,
+    # attention, head, tail) for widen_pages(pages, page_ids, rows) then
+    # attention([qkv,] *head, rows, kv_scale, *tail, o, lse, sm_scale, rope_scale, rope_theta)
+    widened: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class ForwardInfo:
     slot: int  # device slot of the index buffer ring
     arrays: dict  # name -> NumPy copy of the uploaded index array (docs/layout.md)
     planned_on_device: bool = False  # its arrays written by plan_decode from the device page table
+    widened: bool = False  # a prefill over fp8 pages run on their codes widened to 16 bits (Forward.widened)
 
 
 def device_views(ib: IndexBuffers, slot: int, layout: PackedLayout) -> dict:
@@ -107,6 +117,7 @@ class Launcher:
         cfg, n, empty = config, config.prefill_chunk_size, tvm.runtime.empty
         self._scratch_views: dict = {}
         self._part_bufs: tuple | None = None
+        self._wide: tuple | None = None  # (16-bit rows, their ids 0, 1, ...) of widened fp8 pages
         self._counter = None  # paged_decode_split_merge's arrival counts (all zero between launches)
         if not config.is_mla and "paged_decode_split_merge" in kernels and self.granule is not None:
             import numpy as np
@@ -171,6 +182,45 @@ class Launcher:
             lse_buf._create_view((split.num_splits, batch, cfg.num_qo_heads)),
         )
 
+    def _wide_rows(self, nnz: int) -> tuple | None:
+        """``(rows [nnz, 2, H_kv, P, D] of the activation dtype, ids [>= nnz] int32 = 0, 1, ...)``: where a
+        prefill's fp8 pages are widened, allocated on first use and grown (at most to one layer's
+        pool in 16-bit: 2 / num_layers of the fp8 pool's bytes); None when the device cannot hold them
+        (the forward keeps the schedule that reads fp8 pages)."""
+        import numpy as np
+        import tvm
+
+        cfg = self.config
+        if self._wide is None or self._wide[0].shape[0] < nnz:
+            cap = min(max(nnz, 2 * self._wide[0].shape[0] if self._wide else 0), cfg.total_pages)
+            shape = (cap, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
+            try:
+                self._wide = (
+                    tvm.runtime.empty(shape, cfg.dtype, self.device),
+                    tvm.runtime.tensor(np.arange(cap, dtype=np.int32), self.device),
+                )
+            except Exception:  # noqa: BLE001 (out of device memory: TVM raises its own error kinds)
+                self._wide = None
+                return None
+        rows, ids = self._wide
+        return rows._create_view((nnz, *rows.shape[1:])), ids
+
+    def _widened(self, fwd: Forward, nnz: int) -> tuple:
+        """:attr:`Forward.widened` for a causal prefill over fp8 pages where the library has the 16-bit
+        pages' schedule and the forward brings enough tokens per sequence (``WIDEN_MIN_ROWS``); ``()``
+        otherwise."""
+        lib = self.kernels
+        name = "widened_prefill_causal_qkv" if fwd.direct else "widened_prefill_causal"
+        if name not in lib or nnz <= 0 or fwd.total < WIDEN_MIN_ROWS * len(fwd.lengths):
+            return ()
+        wide = self._wide_rows(nnz)
+        if wide is None:
+            return ()
+        rows, ids = wide
+        d = fwd.dev
+        tail = (d["page_indptr"], ids, *_paged_tail(d)[2:])
+        return lib["widen_pages"], d["page_indices"], rows, lib[name], fwd.attn_head, tail
+
     def paged(self, fwd: Forward, history: tuple | None = None) -> tuple:
         """``(kernel, local kernel, head, tail)``: paged attention of ``fwd``'s queries over one layer's
         pages, called as ``kernel(q, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta)``
@@ -217,8 +267,11 @@ class Launcher:
         tail += (*fwd.parts, fwd.counter)
         return lib["paged_decode_append_split"], (d["q_pos"],), tail, (fwd.decode_split.kv_chunk,)
 
-    def bind(self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT) -> Forward:
-        """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
+    def bind(
+        self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT, nnz: int = 0
+    ) -> Forward:
+        """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale).
+        ``nnz``: the page-table entries of the step (a prefill over fp8 pages may widen them)."""
         cfg, d, lib = self.config, dev, self.kernels
         rope = (cfg.rope_scale, cfg.rope_theta)
         if cfg.is_mla:  # only the index arrays (and a split decode's buffers): MLA's calls launch themselves
@@ -292,6 +345,8 @@ class Launcher:
             else:  # append_qkv stores them first
                 fwd.kernels = (None, lib["append_qkv"], lib[kernel + "_qkv"])
                 fwd.append, fwd.attn_head = (d["slots"],), fwd.attn_head[1:]
+        if kernel == "paged_prefill_causal":
+            fwd.widened = self._widened(fwd, nnz)
         return fwd
 
 
@@ -302,7 +357,7 @@ def graph_key(fwd: Forward) -> tuple:
     workspace buffer the launches read or write. Equal keys: a graph captured in one forward replays
     correctly in the other, whose index arrays were uploaded to the same memory."""
     if not fwd.key:
-        bufs = (*fwd.dev.values(), *fwd.scratch.values(), *fwd.parts)
+        bufs = (*fwd.dev.values(), *fwd.scratch.values(), *fwd.parts, *fwd.widened[1:3])
         if fwd.counter is not None:
             bufs += (fwd.counter,)
         where = tuple((b.data_ptr(), tuple(b.shape)) for b in bufs)
@@ -326,6 +381,9 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
     if fwd.direct:  # no split: the kernels read q (and ragged k, v) from qkv; never a local layer
         if append is not None:  # (the ragged kernel stores K/V itself)
             append(*pages, qkv, *fwd.append)
+        if fwd.widened:
+            _run_widened(fwd.widened, pages, (qkv,), o, lse, sm_scale, rope_scale, rope_theta)
+            return
         attention(qkv, *fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
         return
     if fwd.fused:  # split + rotate + append in one kernel
@@ -338,6 +396,8 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
             fwd.local(*fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta, window)
         else:
             fwd.local(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta, window)
+    elif fwd.widened:  # a prefill over fp8 pages, on their codes widened to 16 bits
+        _run_widened(fwd.widened, pages, (), o, lse, sm_scale, rope_scale, rope_theta)
     elif fwd.counter is not None:  # split decode, merged by the last block of each group
         o_part, lse_part = fwd.parts
         attention(
@@ -372,6 +432,16 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
         attention(*fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
     else:
         attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
+
+
+def _run_widened(bound: tuple, pages: tuple, first: tuple, o, lse, sm_scale, rope_scale, rope_theta) -> None:
+    """Widen the forward's fp8 pages ``pages = (pages, kv_scale)`` into 16-bit rows, then run the 16-bit
+    pages' prefill over them with the scales (:attr:`Forward.widened`; ``first``: ``(qkv,)`` for the
+    kernel reading q from qkv)."""
+    widen, page_ids, rows, attention, head, tail = bound
+    codes, kv_scale = pages
+    widen(codes, page_ids, rows)
+    attention(*first, *head, rows, kv_scale, *tail, o, lse, sm_scale, rope_scale, rope_theta)
 
 
 def _paged_tail(d: dict) -> tuple:

@@ -59,11 +59,12 @@ generic one.
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro
 from .attention import paged_prefill_func, ragged_prefill_func
-from .fp8 import kv_scale_buffer
+from .fp8 import kv_scale_buffer, times_key_scale
 from .prefill_cuda import BLOCK, CP16, CVT, block_macros, kv_rc, load_rc
 from .spec import KernelSpec
 
@@ -180,14 +181,19 @@ def make_prefill_hopper(
     warpgroups: int = DEFAULT_WARPGROUPS,
     producer: bool = DEFAULT_PRODUCER,
     fused_qkv: bool = False,
+    kv_scale: bool = False,
 ):
     """The wgmma PrimFunc for ``source`` "paged" or "ragged" (the signatures of
     :func:`tvmkv.tir.attention.paged_prefill_func` / ``ragged_prefill_func``). The caller checks
     :func:`hopper_layout` first; ``bc`` and ``stages`` are tuning knobs (defaults: what the runtime
     builds). ``fused_qkv``: the ``*_qkv`` signature (q, and for ragged k and v, read from the fused qkv;
     the ragged kernel also stores k and v at their slots, from the copying warpgroup once it has issued
-    its copies: no separate append launch)."""
+    its copies: no separate append launch). ``kv_scale`` (paged only): the pages hold fp8 codes widened
+    to the 16-bit dtype (``tvmkv.tir.page_ops.make_widen_pages``) and the kernel takes their layer's
+    ``kv_scale [2, H_kv]`` after ``pages``, folded in as the fp8 schedules fold it (docs/layout.md, "fp8
+    pages")."""
     assert source in ("paged", "ragged")
+    assert not kv_scale or (source == "paged" and not spec.fp8_pages)
     lay = hopper_layout(
         spec,
         mask=mask,
@@ -226,7 +232,8 @@ def make_prefill_hopper(
     # quantizing append schedule runs before it instead, tvmkv.tir.append.append_body)
     stores_kv = fused_qkv and not paged and producer and not spec.fp8_pages
     SKV = (RT * CPR + 127) // 128  # 16-byte chunks of a K (and a V) row set per copying thread
-    blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC)
+    read_scale = tirx.decl_buffer((2, H_kv), "float32", name="kv_scale") if kv_scale else None
+    blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC, scale=read_scale)
     Q_OFF = 0
 
     def k_off(st):  # element offset of ring slot st's K tile (V follows it)
@@ -520,7 +527,7 @@ def make_prefill_hopper(
         blk.locate(bx, sv)
         if sv[BLOCK.lt] >= 0:
             blk.key_range(tx, lane, w, sv, rpos, red, pf32)
-            sl2[0] = sm_scale * T.float32(LOG2E)
+            sl2[0] = times_key_scale(sm_scale * T.float32(LOG2E), read_scale, hk)
             for h in T.unroll(2):
                 m[h] = T.float32(neg_inf)
                 lsum[h] = T.float32(0)
@@ -593,6 +600,6 @@ def make_prefill_hopper(
                 blk.store(lane, w, hk, sv, o_acc, m, lsum, rinv, pk, o_pairs)
 
     if paged:
-        return paged_prefill_func(spec, fa_body, fused_qkv=fused_qkv)
+        return paged_prefill_func(spec, fa_body, read_scale, fused_qkv=fused_qkv)
     scale = kv_scale_buffer(spec) if fused_qkv else None  # (fp8 pages: the append quantizes with it)
     return ragged_prefill_func(spec, fa_body, scale, fused_qkv=fused_qkv, body_stores_kv=stores_kv)
