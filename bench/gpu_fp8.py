@@ -33,6 +33,9 @@ PAGES = {"fp16": "", "fp8 e4m3": "float8_e4m3fn"}
 # a prefill over fp8 history on sm_90 runs on the pages' codes widened to 16 bits (warpgroup MMA); this row also
 # times the schedule that reads the fp8 pages itself (mma.sync), forced by raising the launch threshold
 READS_FP8 = "fp8 e4m3, reading fp8"
+# a decode of fp8 pages on the tensor cores is one launch (paged_decode_append); this row also times the
+# two launches it replaced (split_rope_append + paged_decode), forced through launch.ONE_LAUNCH_DECODE
+TWO_LAUNCHES = "fp8 e4m3, two launches"
 
 
 def _sdpa(B: int, L: int, n: int):
@@ -56,13 +59,16 @@ def _row(timer, case: str, B: int, L: int, new: int, copy_gbs: float) -> dict:
     pages = dict(PAGES)
     if L and new > 1:
         pages[READS_FP8] = PAGES["fp8 e4m3"]
+    if new == 1:
+        pages[TWO_LAUNCHES] = PAGES["fp8 e4m3"]
     for name, kv_dtype in pages.items():
         threshold = launch.WIDEN_MIN_ROWS
         launch.WIDEN_MIN_ROWS = 1 << 30 if name == READS_FP8 else threshold
+        launch.ONE_LAUNCH_DECODE = name != TWO_LAUNCHES
         try:
             cache = api_cache(B, L, new, kv_dtype=kv_dtype)
         finally:
-            launch.WIDEN_MIN_ROWS = threshold
+            launch.WIDEN_MIN_ROWS, launch.ONE_LAUNCH_DECODE = threshold, True
         qkv = torch.rand(B * new, H_QO + 2 * H_KV, D, device="cuda", dtype=torch.float16)
         out = torch.empty(B * new, H_QO, D, device="cuda", dtype=torch.float16)
 
@@ -115,6 +121,14 @@ def main(argv=None) -> int:
             f"{b / a:.2f} | {r['sdpa_us']:.1f} | {b / r['sdpa_us']:.2f} | {r['fp16 kv_MB']:.0f} / "
             f"{r['fp8 e4m3 kv_MB']:.0f} | {r['fp16 of_copy_rate']:.2f} / {r['fp8 e4m3 of_copy_rate']:.2f} |"
         )
+    for r in rows:
+        if f"{TWO_LAUNCHES} device_us" in r:
+            b = r[f"{TWO_LAUNCHES} device_us"]
+            lines.append(
+                f"| {r['case']}, fp8 pages, two launches (split_rope_append + paged_decode) | | "
+                f"{b:.1f} / {r[f'{TWO_LAUNCHES} call_us']:.1f} | {b / r['fp16 device_us']:.2f} | | "
+                f"{b / r['sdpa_us']:.2f} | | |"
+            )
     for r in rows:
         if f"{READS_FP8} device_us" in r:
             b = r[f"{READS_FP8} device_us"]

@@ -415,8 +415,9 @@ def test_fp8_decode_layer_as_the_runtime_launches_it(target, fmt, rng):
     """A decode layer over fp8 pages as the runtime launches it: ``split_rope_append`` (q out, the new
     token's K/V quantized into its slot, the codes ``append`` stores) then ``paged_decode`` (and the
     split decode merged by ``merge_splits``): attention over the dequantized pages holding the new
-    token, though its slots held NaN codes before. fp8 kernel sets have no one-launch
-    ``paged_decode_append`` (slower for them than the two launches)."""
+    token, though its slots held NaN codes before. fp8 kernel sets on the CUDA-core decode (here head_dim
+    64) have no one-launch ``paged_decode_append`` (slower for them than the two launches; the
+    tensor-core one has it: test_fp8_tensor_core_decode_with_append)."""
     spec = _spec(target, fmt)
     lib = load_kernels(spec, rope_mode="none")
     assert "paged_decode_append" not in lib and "paged_decode_append_split" not in lib
@@ -546,6 +547,63 @@ def test_fp8_tensor_core_decode(target, shape, rng):
             assert not counter.numpy().any()
 
 
+@pytest.mark.parametrize(
+    "shape, mode", [(TC_SHAPES[0], "none"), (TC_SHAPES[0], "normal"), (TC_SHAPES[1], "none")], ids=str
+)
+def test_fp8_tensor_core_decode_with_append(target, shape, mode, rng):
+    """A decode layer in one launch on the tensor cores (``paged_decode_append``, split or not): the new
+    token's K / V codes (k rotated in rope mode "normal", rounded to fp16 first, as split_rope_append
+    stores it) land in their slots bit for bit, and the output matches the fp64 decode over the pages
+    holding them, though those slots held NaN codes when the kernel started (the blocks that read the
+    new key store it first). cuda only: the CUDA-core fp8 decode keeps two launches."""
+    if target != "cuda":
+        pytest.skip("the tensor-core decode is a cuda schedule")
+    from tvmkv.tir.decode_layout import split_granule
+
+    h_qo, h_kv, d, p, fmt = shape
+    spec = KernelSpec(h_qo, h_kv, d, p, "float16", target, fmt)
+    lib = load_kernels(spec, rope_mode=mode)
+    scale = (rng.uniform(0.5, 3.0, (2, h_kv)) / 448.0 * 4).astype(np.float32)
+    kv_lens = [1, p, 2 * p + 3, 37, 300, 1000]  # the new token is each sequence's last slot
+    B = len(kv_lens)
+    tab = Table(rng, kv_lens, fmt, scale, h_kv=h_kv, d=d, p=p)
+    qkv = rng.standard_normal((B, h_qo + 2 * h_kv, d)).astype(np.float16)
+    q_pos = np.array(kv_lens, np.int32) - 1
+    last = tab.page_indices[tab.page_indptr[1:] - 1]
+    slot = (last * p + tab.last_page_len - 1).astype(np.int32)
+    q, k_new = qkv[:, :h_qo].astype(np.float64), qkv[:, h_qo : h_qo + h_kv]
+    if mode == "normal":
+        k_new = ref.rope(k_new, q_pos, *ROPE).astype(np.float32).astype(np.float16)
+        q = ref.rope(q, q_pos, *ROPE)
+    want = tab.pages.view(np.uint8).copy()
+    want[slot // p, 0, :, slot % p] = _codes(fp8_ref.quantize(k_new, scale[0], fmt), fmt)
+    want[slot // p, 1, :, slot % p] = _codes(fp8_ref.quantize(qkv[:, h_qo + h_kv :], scale[1], fmt), fmt)
+    values = fp8_ref.dequantize_pages(want.view(fp8_ref.np_dtype(fmt)), scale)
+    sm_scale = 1.0 / math.sqrt(d)
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, values, *tab.tables(), sm_scale, *ROPE)
+    stale = want.copy()
+    stale[slot // p, :, :, slot % p] = NAN_CODE
+    tables = [to_dev(a, target) for a in tab.tables()]
+    head = (to_dev(qkv, target), to_dev(q_pos, target))
+    blocks = split_granule(spec)[0]
+    for kv_chunk in (None, 64, 200):
+        pages = to_dev(stale.view(fp8_ref.np_dtype(fmt)), target)
+        args = (*head, pages, to_dev(scale, target), *tables, to_dev(slot, target))
+        o = to_dev(np.ones((B, h_qo, d), np.float16), target)
+        lse = to_dev(np.zeros((B, h_qo), np.float32), target)
+        if kv_chunk is None:
+            lib["paged_decode_append"](*args, o, lse, sm_scale, *ROPE)
+        else:
+            S = -(-max(kv_lens) // kv_chunk)
+            o_part = to_dev(np.full((S, B, h_qo, d), np.nan, np.float32), target)
+            lse_part = to_dev(np.full((S, B, h_qo), np.nan, np.float32), target)
+            counter = to_dev(np.zeros(B * blocks, np.int32), target)
+            lib["paged_decode_append_split"](*args, o_part, lse_part, counter, o, lse, sm_scale, *ROPE, kv_chunk)
+            assert not counter.numpy().any()
+        assert np.array_equal(pages.numpy().view(np.uint8), want), kv_chunk
+        _check(o, lse, o_ref, lse_ref)
+
+
 def test_fp8_split_granule_follows_the_decode_layout():
     """The runtime sizes the split's block grid and the in-kernel merge's arrival counters from
     split_granule: for fp8 kernel sets it must describe the decode the set holds, tensor-core (plain) or
@@ -573,7 +631,8 @@ def test_fp8_split_granule_follows_the_decode_layout():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_fp8_cuda_decode_compiles(tmp_path):
-    """The CUDA decode over fp8 pages (unsplit, split, split + merge; both formats) gives source nvcc
+    """The CUDA decode over fp8 pages (unsplit, split, split + merge, and on the tensor cores the
+    one-launch layer with its append; both formats) gives source nvcc
     accepts for sm_89 and sm_90 (the pair conversions need sm_89): the tensor-core schedule (fp16
     activations, head_dim 128, with pages of 8 slots too) and the CUDA-core one (head_dim 64 and 256; a
     sliding window with attention sink at 256; bf16 activations at 128: the tensor-core layout does not
@@ -603,7 +662,11 @@ def test_fp8_cuda_decode_compiles(tmp_path):
         funcs[f"decode_{k}"] = make_paged_decode_cuda(spec, **extra)
         funcs[f"split_{k}"] = make_paged_decode_cuda(spec, split=True, **extra)
         funcs[f"split_merge_{k}"] = make_paged_decode_cuda(spec, split=True, merge=True, **extra)
-        for name in (f"decode_{k}", f"split_{k}", f"split_merge_{k}"):  # each kernel on its own schedule
+        names = [f"decode_{k}", f"split_{k}", f"split_merge_{k}"]
+        if tc:  # the one-launch decode layer (rope mode "normal": q and the new key rotated), split + merge
+            funcs[f"append_{k}"] = make_paged_decode_cuda(spec, split=True, merge=True, append=True, rotate=True)
+            names.append(f"append_{k}")
+        for name in names:  # each kernel on its own schedule
             assert ("T.ptx.mma(" in funcs[name].script()) == tc, name
     with pytest.raises(ValueError, match="tensor_cores=True"):
         make_paged_decode_cuda(

@@ -6,8 +6,8 @@
 layer's pages, qkv, the output and ``sm_scale``. :func:`run_layer` then launches a layer with O(1)
 Python work: split/rotate, append, attention (and the merge of a split decode's chunks) — on cuda a
 decode layer is one launch where the library has ``paged_decode_append`` (all of it in one kernel; fp8
-kernel sets do not: split_rope_append + the decode kernel; docs/layout.md "Fused
-qkv"), and a split decode merges its chunks in the same kernel (``paged_decode_split_merge``); a
+kernel sets only on the tensor-core decode, the others split_rope_append + the decode kernel;
+docs/layout.md "Fused qkv"), and a split decode merges its chunks in the same kernel (``paged_decode_split_merge``); a
 causal prefill in rope mode "none" splits nothing: the attention's ``*_qkv`` kernel reads q (ragged: q,
 k and v) from qkv in place, and ``append_qkv`` stores the new K/V from qkv (the ragged kernel stores
 them itself: a prefill without history is one launch).
@@ -33,6 +33,9 @@ _MAX_SCRATCH_VIEWS = 256  # cached scratch views (one set per distinct token cou
 # enough query rows that the faster products repay converting it (below, the schedule reading fp8 pages
 # itself is kept)
 WIDEN_MIN_ROWS = 64
+# a decode layer is one launch where the library has paged_decode_append; False: split_rope_append + the
+# decode kernel instead (what libraries without it run; benchmarks set it to compare the two)
+ONE_LAUNCH_DECODE = True
 
 
 @dataclass(slots=True)
@@ -328,7 +331,7 @@ class Launcher:
                 else:
                     fwd.kernels = (*fwd.kernels[:2], lib["paged_decode_split"])
                     fwd.merge = lib["merge_splits"]
-            fwd.single = self._single_launch(fwd)
+            fwd.single = self._single_launch(fwd) if ONE_LAUNCH_DECODE else ()
         elif kernel == "ragged_prefill_causal":
             fwd.paged = False
             fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])

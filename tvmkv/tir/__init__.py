@@ -123,7 +123,8 @@ def kernel_set(
             f = decode.make_paged_decode_append(
                 spec, sliding=sliding, inline_rope=inline, rotate=rope_mode == "normal", split=split
             )
-            # cuda, fast decode layout, 16-bit pages (fp8 pages: None, split_rope_append + paged_decode)
+            # cuda, fast decode layout: 16-bit pages, fp8 pages on the tensor cores (the other fp8 layouts:
+            # None, split_rope_append + paged_decode)
             if f is not None and kernels["paged_decode_split"] is not None:
                 kernels[name] = f
     if rope_mode == "none":  # prefill reading q / k / v from the fused qkv in place (no split_rope)

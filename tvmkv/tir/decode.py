@@ -118,13 +118,16 @@ def make_paged_decode_append(
     spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False, rotate: bool = False, split: bool = False
 ):
     """A decode step's whole layer in one launch: ``split_rope_append`` folded into ``paged_decode``
-    (``split``: into ``paged_decode_split_merge``). cuda with the fast decode layout and 16-bit pages
-    only; ``None`` elsewhere (the runtime then launches ``split_rope_append`` and the attention kernel).
-    fp8 pages: the two launches are faster (measured on an H200, bench/RESULTS.md "fp8 pages").
+    (``split``: into ``paged_decode_split_merge``). cuda with the fast decode layout: 16-bit pages, and
+    fp8 pages where the decode runs on the tensor cores; ``None`` elsewhere (the runtime then launches
+    ``split_rope_append`` and the attention kernel; fp8 pages on the CUDA-core decode: the two launches
+    are faster, measured on an H200, bench/RESULTS.md "fp8 pages").
 
-    One block per (sequence, kv head) stores the new token's k (rotated by its position when
-    ``rotate``: rope mode "normal", as ``split_rope`` does) and v at its slot; every block reads q and
-    that new key from ``qkv`` rather than from the pages, so no block waits for the store.
+    16-bit pages: one block per (sequence, kv head) stores the new token's k (rotated by its position
+    when ``rotate``: rope mode "normal", as ``split_rope`` does) and v at its slot; every block reads q
+    and that new key from ``qkv`` rather than from the pages, so no block waits for the store. fp8
+    pages (tensor cores): each block whose keys reach the new token stores its codes, waits for its
+    own stores and copies them back with the other keys.
 
     Parameters (of the returned PrimFunc, in order)
     ----------
@@ -140,8 +143,14 @@ def make_paged_decode_append(
     o, lse, sm_scale, rope_scale, rope_theta, kv_chunk (``split`` only)
         As :func:`make_paged_decode` / :func:`make_paged_decode_split`.
     """
-    if spec.target_kind != "cuda" or spec.fp8_pages:
+    if spec.target_kind != "cuda":
         return None
+    if spec.fp8_pages:
+        from .decode_layout import decode_layout
+
+        lay = None if sliding or inline_rope else decode_layout(spec)
+        if lay is None or not lay["TC"]:
+            return None
     from .decode_cuda import make_paged_decode_cuda
 
     return make_paged_decode_cuda(

@@ -137,12 +137,14 @@ def make_paged_decode_cuda(
     of each (sequence, kv head, query-head slice) merges the chunks' partial states. ``append``: the
     ``paged_decode_append`` PrimFunc (``decode.make_paged_decode_append``; with ``split`` and ``merge``
     its split form), which reads q, k and v from the fused ``qkv`` and appends the new K/V itself
-    (``rotate``: rope mode "normal", q and the new k rotated here as ``split_rope`` would).
+    (``rotate``: rope mode "normal", q and the new k rotated here as ``split_rope`` would). On the
+    tensor-core path the blocks whose keys reach the new token store it, wait for the block's stores,
+    then copy it from the pages with the other keys (the codes ``append`` stores, bit for bit).
     """
-    if tensor_cores and (sliding or inline_rope or append or double_buffer):
+    if tensor_cores and (sliding or inline_rope or double_buffer):
         raise ValueError(
-            "tensor_cores=True: the tensor-core decode has no sliding window, inline RoPE, fused append or "
-            "double buffer; leave tensor_cores unset"
+            "tensor_cores=True: the tensor-core decode has no sliding window, inline RoPE or double buffer; "
+            "leave tensor_cores unset"
         )
     lay = decode_layout(
         spec,
@@ -151,7 +153,7 @@ def make_paged_decode_cuda(
         max_tpk,
         reg_floats,
         load_bytes,
-        tensor_cores=False if (sliding or inline_rope or append or double_buffer) else tensor_cores,
+        tensor_cores=False if (sliding or inline_rope or double_buffer) else tensor_cores,
         tc_groups=tc_groups,
     )
     if lay is None:
@@ -562,6 +564,19 @@ def make_paged_decode_cuda(
                         T.float32(0),
                     )
 
+    def q_value(q, q_pos, rope_scale, rope_theta, b, h, d):
+        # element d of query head h of sequence b, float32: rotated by its position where the kernel
+        # rotates q (rope mode "normal" fused with the append; the tensor-core path rounds it to fp16,
+        # as split_rope stores it)
+        x = T.Cast("float32", q[b, h, d])
+        if not rotate:
+            return x
+        angle = T.Cast("float32", q_pos[b]) * rope_inv_freq(rope_scale, rope_theta, d % HALF, D)
+        partner = T.if_then_else(
+            d < HALF, T.float32(0) - T.Cast("float32", q[b, h, d + HALF]), T.Cast("float32", q[b, h, d - HALF])
+        )
+        return x * T.cos(angle) + partner * T.sin(angle)
+
     @macro
     def tc_stream(b, hk, h0, tx, seq, st, Ms, Ls, Os, stg):
         # the tensor-core path of one block: q as A fragments, the key stream, each warp's (m, l, O) of its
@@ -600,8 +615,8 @@ def make_paged_decode_cuda(
                 if g < GQ:
                     T.ptx[CVT_F16X2](
                         qa[jj, e],
-                        T.Cast("float32", q[b, h0 + g, tc_kdim(c, jj) + 2 * e + 1]),
-                        T.Cast("float32", q[b, h0 + g, tc_kdim(c, jj) + 2 * e]),
+                        q_value(q, q_pos, rope_scale, rope_theta, b, h0 + g, tc_kdim(c, jj) + 2 * e + 1),
+                        q_value(q, q_pos, rope_scale, rope_theta, b, h0 + g, tc_kdim(c, jj) + 2 * e),
                     )
         if seq[DSEQ.end] > x_base(seq):
             tc_pages(th, 0)
@@ -834,7 +849,11 @@ def make_paged_decode_cuda(
         if split:  # this block's chunk of the visited keys: [x0, end)
             seq[DSEQ.x0] = ch * kv_chunk
             seq[DSEQ.end] = T.min(seq[DSEQ.end], seq[DSEQ.x0] + kv_chunk)
-        if append:
+        if append and tc:  # the blocks whose keys reach the new token store it, then copy it back
+            if seq[DSEQ.end] > x_base(seq) and seq[DSEQ.end] - 1 == seq[DSEQ.last]:
+                put_new_kv(b, hk, tx)
+            T.tvm_storage_sync("shared")  # (and the block's global stores before its copies)
+        elif append:
             if bx // NSPLIT % NGB == 0 and ch == 0:  # one block per (sequence, kv head) stores the new K/V
                 put_new_kv(b, hk, tx)
 
