@@ -28,7 +28,7 @@ from _attention_cases import H_KV, H_QO, D, api_cache
 from _common import CudaTimer
 
 DECODE = [(32, 1024), (64, 4096), (128, 4096), (256, 2048)]
-PREFILL = [(1, 0, 4096), (8, 0, 512), (4, 2048, 1024)]  # sequences, history, new tokens each
+PREFILL = [(1, 0, 4096), (8, 0, 512), (4, 2048, 1024), (4, 8192, 64), (8, 2048, 128)]  # sequences, history, new each
 PAGES = {"fp16": "", "fp8 e4m3": "float8_e4m3fn"}
 # a prefill over fp8 history on sm_90 runs on the pages' codes widened to 16 bits (warpgroup MMA); this row also
 # times the schedule that reads the fp8 pages itself (mma.sync), forced by raising the launch threshold

@@ -1282,7 +1282,13 @@ class PagedAttentionKVCache:
         arrays = {name: t.numpy() for name, t in fwd.dev.items()}
         on_device = self._planned_on_device
         return ForwardInfo(
-            fwd.kernel, fwd.decode_split.num_splits, self._repeated, fwd.slot, arrays, on_device, bool(fwd.widened)
+            fwd.kernel,
+            fwd.decode_split.num_splits,
+            self._repeated,
+            fwd.slot,
+            arrays,
+            on_device,
+            fwd.widened is not None,
         )
 
     def graph_key(self) -> tuple:

@@ -16,7 +16,7 @@ them itself: a prefill without history is one launch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..config import CacheConfig
 from ..target import default_cuda_arch
@@ -36,6 +36,20 @@ WIDEN_MIN_ROWS = 64
 # a decode layer is one launch where the library has paged_decode_append; False: split_rope_append + the
 # decode kernel instead (what libraries without it run; benchmarks set it to compare the two)
 ONE_LAUNCH_DECODE = True
+
+
+class Widened(NamedTuple):
+    """A prefill over fp8 pages run on their codes widened to 16 bits (:attr:`Forward.widened`):
+    ``widen(codes, page_ids, rows)``, then ``attention([qkv,] *head, rows, kv_scale, *tail, o, lse,
+    sm_scale, rope_scale, rope_theta)`` (docs/layout.md, "fp8 pages")."""
+
+    widen: Any  # widen_pages
+    page_ids: Any  # the forward's page_indices (device view)
+    rows: Any  # [nnz, 2, H_kv, P, D] view of the workspace
+    ids: Any  # 0, 1, ...: the rows' page ids (read through page_indptr)
+    attention: Any  # widened_prefill_causal[_qkv]
+    head: tuple  # attention arguments before the rows
+    tail: tuple  # attention arguments after kv_scale, before o
 
 
 @dataclass(slots=True)
@@ -69,10 +83,7 @@ class Forward:
     local: Any = None  # the attention kernel's per-layer-window variant (same arguments + layer_window)
     shared: tuple = ()  # (kernel, local kernel, head, tail): paged attention over a given layer's pages
     key: tuple = ()  # graph_key's value, computed on first use
-    # a prefill over fp8 pages run on their codes widened to 16 bits: (widen_pages, page_ids, rows,
-    # attention, head, tail) for widen_pages(pages, page_ids, rows) then
-    # attention([qkv,] *head, rows, kv_scale, *tail, o, lse, sm_scale, rope_scale, rope_theta)
-    widened: tuple = ()
+    widened: Widened | None = None  # a prefill over fp8 pages run on their codes widened to 16 bits
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,7 @@ class Launcher:
         self._scratch_views: dict = {}
         self._part_bufs: tuple | None = None
         self._wide: tuple | None = None  # (16-bit rows, their ids 0, 1, ...) of widened fp8 pages
+        self._wide_refused = 0  # bytes of the smallest workspace the device refused (0: none)
         self._counter = None  # paged_decode_split_merge's arrival counts (all zero between launches)
         if not config.is_mla and "paged_decode_split_merge" in kernels and self.granule is not None:
             import numpy as np
@@ -189,40 +201,50 @@ class Launcher:
         """``(rows [nnz, 2, H_kv, P, D] of the activation dtype, ids [>= nnz] int32 = 0, 1, ...)``: where a
         prefill's fp8 pages are widened, allocated on first use and grown (at most to one layer's
         pool in 16-bit: 2 / num_layers of the fp8 pool's bytes); None when the device cannot hold them
-        (the forward keeps the schedule that reads fp8 pages)."""
+        (the forward keeps the schedule that reads fp8 pages): more than half its free memory, or a
+        size it refused before (a failed allocation is not retried at that size or above)."""
         import numpy as np
         import tvm
 
         cfg = self.config
         if self._wide is None or self._wide[0].shape[0] < nnz:
-            cap = min(max(nnz, 2 * self._wide[0].shape[0] if self._wide else 0), cfg.total_pages)
+            cap = min(max(nnz, 2 * self._wide[0].shape[0] if self._wide else 0), cfg.total_pages)  # (nnz <= it)
             shape = (cap, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
+            nbytes = cap * cfg.num_kv_heads * cfg.page_size * cfg.head_dim * 2 * cfg.itemsize
+            if self._wide_refused and nbytes >= self._wide_refused:
+                return None
+            free = getattr(self.device, "available_global_memory", None)
+            if free is not None and nbytes > free // 2:  # (asked first: a failed cudaMalloc lingers as
+                self._wide_refused = nbytes  # the CUDA runtime's last error, which torch would report later)
+                return None
             try:
                 self._wide = (
                     tvm.runtime.empty(shape, cfg.dtype, self.device),
                     tvm.runtime.tensor(np.arange(cap, dtype=np.int32), self.device),
                 )
             except Exception:  # noqa: BLE001 (out of device memory: TVM raises its own error kinds)
-                self._wide = None
+                self._wide_refused = nbytes
                 return None
         rows, ids = self._wide
         return rows._create_view((nnz, *rows.shape[1:])), ids
 
-    def _widened(self, fwd: Forward, nnz: int) -> tuple:
+    def _widened(self, fwd: Forward, nnz: int) -> Widened | None:
         """:attr:`Forward.widened` for a causal prefill over fp8 pages where the library has the 16-bit
-        pages' schedule and the forward brings enough tokens per sequence (``WIDEN_MIN_ROWS``); ``()``
+        pages' schedule and the forward brings enough tokens per sequence (``WIDEN_MIN_ROWS``); None
         otherwise."""
         lib = self.kernels
         name = "widened_prefill_causal_qkv" if fwd.direct else "widened_prefill_causal"
         if name not in lib or nnz <= 0 or fwd.total < WIDEN_MIN_ROWS * len(fwd.lengths):
-            return ()
+            return None
+        if nnz > self.config.total_pages:  # pages shared by several of its sequences, each counted: the
+            return None  # workspace would outgrow one layer's pool (its bound); read the fp8 pages instead
         wide = self._wide_rows(nnz)
         if wide is None:
-            return ()
+            return None
         rows, ids = wide
         d = fwd.dev
         tail = (d["page_indptr"], ids, *_paged_tail(d)[2:])
-        return lib["widen_pages"], d["page_indices"], rows, lib[name], fwd.attn_head, tail
+        return Widened(lib["widen_pages"], d["page_indices"], rows, ids, lib[name], fwd.attn_head, tail)
 
     def paged(self, fwd: Forward, history: tuple | None = None) -> tuple:
         """``(kernel, local kernel, head, tail)``: paged attention of ``fwd``'s queries over one layer's
@@ -360,7 +382,11 @@ def graph_key(fwd: Forward) -> tuple:
     workspace buffer the launches read or write. Equal keys: a graph captured in one forward replays
     correctly in the other, whose index arrays were uploaded to the same memory."""
     if not fwd.key:
-        bufs = (*fwd.dev.values(), *fwd.scratch.values(), *fwd.parts, *fwd.widened[1:3])
+        bufs = (*fwd.dev.values(), *fwd.scratch.values(), *fwd.parts)
+        if (
+            fwd.widened is not None
+        ):  # (its rows' shape follows the forward's page count: a prefill's key changes with it)
+            bufs += (fwd.widened.rows, fwd.widened.ids)
         if fwd.counter is not None:
             bufs += (fwd.counter,)
         where = tuple((b.data_ptr(), tuple(b.shape)) for b in bufs)
@@ -384,7 +410,7 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
     if fwd.direct:  # no split: the kernels read q (and ragged k, v) from qkv; never a local layer
         if append is not None:  # (the ragged kernel stores K/V itself)
             append(*pages, qkv, *fwd.append)
-        if fwd.widened:
+        if fwd.widened is not None:
             _run_widened(fwd.widened, pages, (qkv,), o, lse, sm_scale, rope_scale, rope_theta)
             return
         attention(qkv, *fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
@@ -399,7 +425,7 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
             fwd.local(*fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta, window)
         else:
             fwd.local(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta, window)
-    elif fwd.widened:  # a prefill over fp8 pages, on their codes widened to 16 bits
+    elif fwd.widened is not None:  # a prefill over fp8 pages, on their codes widened to 16 bits
         _run_widened(fwd.widened, pages, (), o, lse, sm_scale, rope_scale, rope_theta)
     elif fwd.counter is not None:  # split decode, merged by the last block of each group
         o_part, lse_part = fwd.parts
@@ -437,14 +463,12 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
         attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
 
 
-def _run_widened(bound: tuple, pages: tuple, first: tuple, o, lse, sm_scale, rope_scale, rope_theta) -> None:
+def _run_widened(bound: Widened, pages: tuple, first: tuple, o, lse, sm_scale, rope_scale, rope_theta) -> None:
     """Widen the forward's fp8 pages ``pages = (pages, kv_scale)`` into 16-bit rows, then run the 16-bit
-    pages' prefill over them with the scales (:attr:`Forward.widened`; ``first``: ``(qkv,)`` for the
-    kernel reading q from qkv)."""
-    widen, page_ids, rows, attention, head, tail = bound
+    pages' prefill over them with the scales (``first``: ``(qkv,)`` for the kernel reading q from qkv)."""
     codes, kv_scale = pages
-    widen(codes, page_ids, rows)
-    attention(*first, *head, rows, kv_scale, *tail, o, lse, sm_scale, rope_scale, rope_theta)
+    bound.widen(codes, bound.page_ids, bound.rows)
+    bound.attention(*first, *bound.head, bound.rows, kv_scale, *bound.tail, o, lse, sm_scale, rope_scale, rope_theta)
 
 
 def _paged_tail(d: dict) -> tuple:
