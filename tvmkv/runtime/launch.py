@@ -383,9 +383,7 @@ def graph_key(fwd: Forward) -> tuple:
     correctly in the other, whose index arrays were uploaded to the same memory."""
     if not fwd.key:
         bufs = (*fwd.dev.values(), *fwd.scratch.values(), *fwd.parts)
-        if (
-            fwd.widened is not None
-        ):  # (its rows' shape follows the forward's page count: a prefill's key changes with it)
+        if fwd.widened is not None:  # (its rows' shape follows the page count: a prefill's key changes with it)
             bufs += (fwd.widened.rows, fwd.widened.ids)
         if fwd.counter is not None:
             bufs += (fwd.counter,)
