@@ -619,8 +619,10 @@ class PagedAttentionKVCache:
         self._step += 1
         if plan.kernel != "paged_decode":
             dev = planner.device_views(plan)
+            at = plan.layout.page_indices_at  # (the host copy of the forward's page table, just uploaded)
+            pages = ib.host[at : at + plan.nnz]
             self._fwd = L.bind(
-                plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot, nnz=plan.nnz
+                plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot, pages=pages
             )
             return
         # a decode forward binds only device views of its shape and slot, and its split: the one bound

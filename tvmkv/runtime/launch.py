@@ -44,9 +44,9 @@ class Widened(NamedTuple):
     sm_scale, rope_scale, rope_theta)`` (docs/layout.md, "fp8 pages")."""
 
     widen: Any  # widen_pages
-    page_ids: Any  # the forward's page_indices (device view)
-    rows: Any  # [nnz, 2, H_kv, P, D] view of the workspace
-    ids: Any  # 0, 1, ...: the rows' page ids (read through page_indptr)
+    page_ids: Any  # the pages widened: the forward's page_indices, or each of them once (shared pages)
+    rows: Any  # [len(page_ids) at least, 2, H_kv, P, D] view of the workspace
+    ids: Any  # the forward's page table over the rows (read through page_indptr): 0, 1, ... or row of each
     attention: Any  # widened_prefill_causal[_qkv]
     head: tuple  # attention arguments before the rows
     tail: tuple  # attention arguments after kv_scale, before o
@@ -197,8 +197,8 @@ class Launcher:
             lse_buf._create_view((split.num_splits, batch, cfg.num_qo_heads)),
         )
 
-    def _wide_rows(self, nnz: int) -> tuple | None:
-        """``(rows [nnz, 2, H_kv, P, D] of the activation dtype, ids [>= nnz] int32 = 0, 1, ...)``: where a
+    def _wide_rows(self, count: int) -> tuple | None:
+        """``(rows [count, 2, H_kv, P, D] of the activation dtype, ids [>= count] int32 = 0, 1, ...)``: where a
         prefill's fp8 pages are widened, allocated on first use and grown (at most to one layer's
         pool in 16-bit: 2 / num_layers of the fp8 pool's bytes); None when the device cannot hold them
         (the forward keeps the schedule that reads fp8 pages): more than half its free memory, or a
@@ -207,8 +207,8 @@ class Launcher:
         import tvm
 
         cfg = self.config
-        if self._wide is None or self._wide[0].shape[0] < nnz:
-            cap = min(max(nnz, 2 * self._wide[0].shape[0] if self._wide else 0), cfg.total_pages)  # (nnz <= it)
+        if self._wide is None or self._wide[0].shape[0] < count:
+            cap = min(max(count, 2 * self._wide[0].shape[0] if self._wide else 0), cfg.total_pages)  # (count <= it)
             shape = (cap, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
             nbytes = cap * cfg.num_kv_heads * cfg.page_size * cfg.head_dim * 2 * cfg.itemsize
             if self._wide_refused and nbytes >= self._wide_refused:
@@ -226,25 +226,33 @@ class Launcher:
                 self._wide_refused = nbytes
                 return None
         rows, ids = self._wide
-        return rows._create_view((nnz, *rows.shape[1:])), ids
+        return rows._create_view((count, *rows.shape[1:])), ids
 
-    def _widened(self, fwd: Forward, nnz: int) -> Widened | None:
+    def _widened(self, fwd: Forward, pages) -> Widened | None:
         """:attr:`Forward.widened` for a causal prefill over fp8 pages where the library has the 16-bit
         pages' schedule and the forward brings enough tokens per sequence (``WIDEN_MIN_ROWS``); None
-        otherwise."""
-        lib = self.kernels
+        otherwise. ``pages``: the forward's page table (host int32, ``nnz`` entries). A page listed by
+        several sequences (forks, a shared prefix) is widened once: then the pages widened and the table
+        over the rows are uploaded for this forward."""
+        import numpy as np
+        import tvm
+
+        lib, nnz = self.kernels, len(pages)
         name = "widened_prefill_causal_qkv" if fwd.direct else "widened_prefill_causal"
         if name not in lib or nnz <= 0 or fwd.total < WIDEN_MIN_ROWS * len(fwd.lengths):
             return None
-        if nnz > self.config.total_pages:  # pages shared by several of its sequences, each counted: the
-            return None  # workspace would outgrow one layer's pool (its bound); read the fp8 pages instead
-        wide = self._wide_rows(nnz)
+        uniq, table = np.unique(pages, return_inverse=True)
+        wide = self._wide_rows(len(uniq))  # (distinct pages: at most the pool's)
         if wide is None:
             return None
         rows, ids = wide
         d = fwd.dev
+        page_ids = d["page_indices"]
+        if len(uniq) < nnz:  # shared pages: each widened once, the table pointing at its row
+            page_ids = tvm.runtime.tensor(uniq.astype(np.int32), self.device)
+            ids = tvm.runtime.tensor(table.astype(np.int32).reshape(-1), self.device)
         tail = (d["page_indptr"], ids, *_paged_tail(d)[2:])
-        return Widened(lib["widen_pages"], d["page_indices"], rows, ids, lib[name], fwd.attn_head, tail)
+        return Widened(lib["widen_pages"], page_ids, rows, ids, lib[name], fwd.attn_head, tail)
 
     def paged(self, fwd: Forward, history: tuple | None = None) -> tuple:
         """``(kernel, local kernel, head, tail)``: paged attention of ``fwd``'s queries over one layer's
@@ -293,10 +301,11 @@ class Launcher:
         return lib["paged_decode_append_split"], (d["q_pos"],), tail, (fwd.decode_split.kv_chunk,)
 
     def bind(
-        self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT, nnz: int = 0
+        self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT, pages=None
     ) -> Forward:
         """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale).
-        ``nnz``: the page-table entries of the step (a prefill over fp8 pages may widen them)."""
+        ``pages``: the step's page table on the host (``page_indices``' entries; a prefill over fp8 pages
+        may widen them), read during the call only."""
         cfg, d, lib = self.config, dev, self.kernels
         rope = (cfg.rope_scale, cfg.rope_theta)
         if cfg.is_mla:  # only the index arrays (and a split decode's buffers): MLA's calls launch themselves
@@ -370,8 +379,8 @@ class Launcher:
             else:  # append_qkv stores them first
                 fwd.kernels = (None, lib["append_qkv"], lib[kernel + "_qkv"])
                 fwd.append, fwd.attn_head = (d["slots"],), fwd.attn_head[1:]
-        if kernel == "paged_prefill_causal":
-            fwd.widened = self._widened(fwd, nnz)
+        if kernel == "paged_prefill_causal" and pages is not None:
+            fwd.widened = self._widened(fwd, pages)
         return fwd
 
 
