@@ -27,6 +27,7 @@ import struct
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ._kernel_common import macro
 from .spec import KernelSpec
 
 # format -> (mantissa bits, exponent bias, largest finite value)
@@ -37,6 +38,23 @@ PAIR_TO_HALF2 = {"float8_e4m3fn": "cvt.rn.f16x2.e4m3x2", "float8_e5m2": "cvt.rn.
 # ... and two fp32 into two codes (upper byte from the first operand): round to nearest even,
 # saturating, NaN kept, as :func:`quantize` (the kernels that store many codes quantize in pairs)
 FLOAT2_TO_PAIR = {"float8_e4m3fn": "cvt.rn.satfinite.e4m3x2.f32", "float8_e5m2": "cvt.rn.satfinite.e5m2x2.f32"}
+
+
+def widen_pair(page_dtype: str, dtype: str):
+    """A macro ``(dst, codes, f2)``: ``dst`` (uint32) = the two fp8 codes ``codes`` (uint16, low byte
+    first) as a pair of ``dtype`` (float16 / bfloat16; low half first), exact (every fp8 value is a
+    value of both); ``f2`` is a float32 [2] scratch buffer (bf16 goes through fp16 and fp32). cuda
+    sm_89 / sm_90."""
+
+    @macro
+    def widen(dst, codes, f2):
+        T.ptx[PAIR_TO_HALF2[page_dtype]](dst, codes)
+        if dtype == "bfloat16":  # fp16 pair -> bf16 pair
+            f2[0] = T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", dst >> T.uint32(16))))
+            f2[1] = T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", dst & T.uint32(0xFFFF))))
+            T.ptx["cvt.rn.bf16x2.f32"](dst, f2[0], f2[1])  # hi, lo
+
+    return widen
 
 
 def _f32_bits(x: float) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._kernel_common import func_attrs, heads_per_block, macro
-from .fp8 import PAIR_TO_HALF2, kv_scale_buffer, page_code, page_value, with_kv_scale, zero
+from .fp8 import kv_scale_buffer, page_code, page_value, widen_pair, with_kv_scale, zero
 from .spec import KernelSpec
 
 
@@ -398,6 +398,7 @@ def make_widen_pages(spec: KernelSpec):
     CHUNKS = ROW // 8  # 8-element chunks of a page (D is a multiple of 16)
     NT = 256
     CB = (CHUNKS + NT - 1) // NT
+    widen = widen_pair(page_dtype, dtype)
 
     @macro
     def convert_element(i, page, kv, h, j, d):
@@ -419,15 +420,7 @@ def make_widen_pages(spec: KernelSpec):
                         for e in T.vectorized(8):
                             c8[e] = pages[page_ids[i], kvh // H, kvh % H, c * 8 // D % P, c * 8 % D + e]
                         for u in T.unroll(4):
-                            T.ptx[PAIR_TO_HALF2[page_dtype]](h4[u], c8_pairs[u])
-                            if dtype == "bfloat16":  # fp16 pair -> bf16 pair (exact)
-                                f2[0] = T.Cast(
-                                    "float32", T.reinterpret("float16", T.Cast("uint16", h4[u] & T.uint32(0xFFFF)))
-                                )
-                                f2[1] = T.Cast(
-                                    "float32", T.reinterpret("float16", T.Cast("uint16", h4[u] >> T.uint32(16)))
-                                )
-                                T.ptx["cvt.rn.bf16x2.f32"](h4[u], f2[1], f2[0])  # hi, lo
+                            widen(h4[u], c8_pairs[u], f2)
                         for u in T.vectorized(4):
                             out_words[T.Cast("int64", i) * (ROW // 2) + c * 4 + u] = h4[u]
 

@@ -55,7 +55,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro, slots
 from .attention import paged_prefill_func, ragged_prefill_func
-from .fp8 import PAIR_TO_HALF2, kv_scale_buffer, times_key_scale, times_value_scale
+from .fp8 import kv_scale_buffer, times_key_scale, times_value_scale, widen_pair
 from .spec import KernelSpec
 
 DEFAULT_WARPS = 4
@@ -379,6 +379,7 @@ def make_prefill_cuda(
     read_scale = scale if paged else None  # the pages this kernel reads
     mma = MMA[dtype]
     cvt = CVT[dtype]
+    widen = widen_pair(spec.page_dtype, dtype) if fp8 else None  # a code pair -> a dtype pair
     NI = BC // 8  # n8 score tiles per warp
     DN = D // 8  # n8 output tiles per warp
     KD = D // 16  # k16 steps of Q K^T
@@ -417,15 +418,7 @@ def make_prefill_cuda(
                     for e in T.vectorized(8):
                         th.c8[e] = pages[pid[i], kv, hk, j & PMASK, kc * 8 + e]
                     for c in T.unroll(4):
-                        T.ptx[PAIR_TO_HALF2[spec.page_dtype]](th.h4[c], th.c8_pairs[c])
-                        if dtype == "bfloat16":  # fp16 pair -> bf16 pair (exact: fp8 values fit both)
-                            th.f2[0] = T.Cast(
-                                "float32", T.reinterpret("float16", T.Cast("uint16", th.h4[c] >> T.uint32(16)))
-                            )
-                            th.f2[1] = T.Cast(
-                                "float32", T.reinterpret("float16", T.Cast("uint16", th.h4[c] & T.uint32(0xFFFF)))
-                            )
-                            T.ptx[cvt](th.h4[c], th.f2[0], th.f2[1])
+                        widen(th.h4[c], th.c8_pairs[c], th.f2)
                     for c in T.vectorized(4):
                         th.sm_pairs[k_row(st, kr) + kv * BC, swz(kr, kc) // 2 + c] = th.h4[c]
             elif paged:
