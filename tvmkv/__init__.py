@@ -4,11 +4,20 @@ Data layout of every array: docs/layout.md.
 """
 
 from .config import CacheConfig
-from .errors import ForwardStateError, IntegrityError, OutOfPagesError, SequenceSwappedError, TvmkvError
+from .errors import (
+    ForwardStateError,
+    IntegrityError,
+    OutOfPagesError,
+    SequenceSwappedError,
+    ShardDivergenceError,
+    TvmkvError,
+)
 from .runtime import interop  # gather_kv, store_kv, export/import_sequence (docs/layout.md)
 from .runtime.cache import PagedAttentionKVCache
 from .runtime.radix import PrefixCacheStats, RadixPrefixCache
 from .runtime.scheduler import Scheduler
+from .runtime.sharded import ShardedKVCache
+from .runtime.sharding import ShardLayout
 from .tir.spec import KernelSpec
 
 __all__ = [
@@ -22,6 +31,9 @@ __all__ = [
     "RadixPrefixCache",
     "Scheduler",
     "SequenceSwappedError",
+    "ShardDivergenceError",
+    "ShardLayout",
+    "ShardedKVCache",
     "TvmkvError",
     "interop",
 ]

@@ -42,6 +42,7 @@ class CacheConfig:
     support_sliding_window: bool = False
     target_kind: str = "llvm"
     cuda_arch: str | None = None
+    device_id: int = 0  # the GPU the cache lives on (cuda:N; a tensor-parallel worker's own); 0 on llvm
     num_pages: int | None = None
     decode_splits: int | None = None
     stable_decode_splits: bool = False  # split plans for CUDA-graph replay (decode_split.plan_split, stable)
@@ -135,6 +136,10 @@ class CacheConfig:
             raise TypeError(f"stable_decode_splits={self.stable_decode_splits!r} must be True or False")
         if not isinstance(self.device_planning, bool):
             raise TypeError(f"device_planning={self.device_planning!r} must be True or False")
+        if not isinstance(self.device_id, int) or isinstance(self.device_id, bool) or self.device_id < 0:
+            raise ValueError(f"device_id={self.device_id!r} must be an int >= 0 (the N of cuda:N)")
+        if self.device_id and self.target_kind != "cuda":
+            raise ValueError(f"device_id={self.device_id} applies to target 'cuda' only; leave it 0 on the CPU")
 
     @property
     def is_mla(self) -> bool:

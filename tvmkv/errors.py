@@ -47,3 +47,16 @@ class SequenceSwappedError(TvmkvError, RuntimeError):
 
 class IntegrityError(TvmkvError, AssertionError):
     """``check_integrity`` found the page accounting inconsistent (a bug in tvmkv)."""
+
+
+class ShardDivergenceError(IntegrityError):
+    """The shards of a tensor-parallel cache no longer hold the same page tables (docs/layout.md,
+    "Tensor parallelism"): every sequence operation must be issued to every shard, in the same order.
+    ``shard`` names the first shard that differs from shard 0."""
+
+    def __init__(self, shard: int, detail: str):
+        self.shard = shard
+        super().__init__(
+            f"shard {shard} diverged from shard 0: {detail}; issue every sequence operation to all shards in the "
+            "same order, and rebuild the cache (its shards cannot be reconciled)"
+        )

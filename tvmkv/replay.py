@@ -29,8 +29,9 @@ import numpy as np
 
 from .config import CacheConfig
 from .reference.cache_model import CacheModel
+from .runtime.sharding import ShardLayout
 from .runtime.tensors import numpy_dtype
-from .testing import cache_kwargs, make_cache
+from .testing import cache_kwargs, make_cache, make_sharded_cache
 
 
 def _tvm_operation_seq():
@@ -289,14 +290,21 @@ class Replayer:
             assert free == self.initial_free, f"{self.initial_free - free} pages leaked"
 
 
-def replay(name, *, target="llvm", on_row=None, seed=0, **options) -> list:
+def replay(name, *, target="llvm", on_row=None, seed=0, tensor_parallel=1, **options) -> list:
     """Replay scenario ``name`` on a fresh cache; raises AssertionError on any mismatch.
 
     The cache is :func:`tvmkv.testing.make_cache` with ``options`` (by default the replay shape; the
     sliding-window kernels when the scenario needs them). ``decode_splits`` is the cache's option (an
-    int > 1 forces flash-decoding on every decode step). Returns one :class:`StepRow` per operation.
+    int > 1 forces flash-decoding on every decode step). ``tensor_parallel`` > 1 replays on that many
+    shards in lockstep (:class:`tvmkv.ShardedKVCache`, KV heads replicated when fewer than shards),
+    checked against the same unsharded model, and the shards' page tables against each other after
+    every operation. Returns one :class:`StepRow` per operation.
     """
-    cache = make_cache(target, sliding=name in NEEDS_SLIDING, **options)
+    sliding = name in NEEDS_SLIDING
+    if tensor_parallel > 1:
+        cache = make_sharded_cache(tensor_parallel, target, sliding=sliding, **options)
+    else:
+        cache = make_cache(target, sliding=sliding, **options)
     r = Replayer(cache, seed=seed)
     rows = r.run(SCENARIOS[name], on_row=on_row)
     r.check_drained()
@@ -309,6 +317,7 @@ _FLAGS = {  # cache parameter -> the option that sets it
     "num_kv_heads": "--num-kv-heads",
     "page_size": "--page-size",
     "decode_splits": "--decode-splits",
+    "tensor_parallel": "--tensor-parallel",
 }
 
 
@@ -334,6 +343,10 @@ def _check_options(args) -> str | None:
     except ValueError as err:
         flag = next((f for name, f in _FLAGS.items() if str(err).startswith(name + "=")), None)
         return f"{err}" + (f" (option {flag})" if flag else "")
+    try:
+        ShardLayout(kw["num_qo_heads"], kw["num_kv_heads"], args.tensor_parallel)
+    except ValueError as err:
+        return f"{err} (option --tensor-parallel)"
     if args.target == "cuda":
         import tvm
 
@@ -359,6 +372,12 @@ def main(argv=None) -> int:
         default=None,
         help="the cache's decode_splits: default automatic, 1 never split, N > 1 force up to N chunks",
     )
+    ap.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="replay on N shards of the heads in lockstep (tvmkv.ShardedKVCache) against the unsharded model",
+    )
     args = ap.parse_args(argv)
     names = args.scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -371,7 +390,7 @@ def main(argv=None) -> int:
         print(
             f"\n== {name} ({args.target}, {args.dtype}, D={args.head_dim}, H_qo={args.num_qo_heads}, "
             f"H_kv={args.num_kv_heads}, page={args.page_size}, rope={args.rope_mode}, "
-            f"decode_splits={args.decode_splits or 'auto'})"
+            f"decode_splits={args.decode_splits or 'auto'}, tensor_parallel={args.tensor_parallel})"
         )
         header = ("step", "operation", "batch", "tokens", "used", "free", "max err")
         print("{:>4}  {:<48} {:>5} {:>6} {:>5} {:>5} {:>9}".format(*header))
@@ -396,6 +415,7 @@ def main(argv=None) -> int:
                 rope_mode=args.rope_mode,
                 on_row=show,
                 decode_splits=args.decode_splits,
+                tensor_parallel=args.tensor_parallel,
             )
             print(f"-- {name}: OK ({time.time() - t0:.1f}s)")
         except AssertionError as err:

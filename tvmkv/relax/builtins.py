@@ -440,6 +440,7 @@ class TvmBuiltinOverride:
             support_sliding_window=bool(sliding),
             layer_windows=layer_windows,
             target=target,
+            device_id=int(ref.device.index) if dev_type == 2 else 0,
             num_pages=self.num_pages,
             build_dir=self.build_dir,
             **mla,

@@ -107,6 +107,9 @@ class PagedAttentionKVCache:
         Build the sliding-window kernels (needed by ``enable_sliding_window_for_seq``).
     target : str or tvm.target.Target
         "llvm" (CPU) or "cuda" (an arch may be given as a Target); the device follows.
+    device_id : int
+        The GPU (``cuda:device_id``) that holds the pages and runs the kernels; 0 on the CPU. Each
+        tensor-parallel worker passes its own (docs/layout.md, "Tensor parallelism"). Default 0.
     num_pages : int, optional
         Pages per layer; default ``ceil(max_total_seq_len / page_size) + max_batch_size``.
     memory_fraction : float, optional
@@ -159,6 +162,7 @@ class PagedAttentionKVCache:
         rotary_dim=None,
         support_sliding_window=False,
         target="llvm",
+        device_id=0,
         num_pages=None,
         memory_fraction=None,
         decode_splits=None,
@@ -189,7 +193,7 @@ class PagedAttentionKVCache:
                 kv_lora_rank=kv_lora_rank,
                 qk_rope_head_dim=qk_rope_head_dim,
             )
-            budget = int(available_bytes(_device(kind)) * memory_fraction)
+            budget = int(available_bytes(_device(kind, device_id)) * memory_fraction)
             num_pages = budget // (probe.page_bytes * num_layers)
             need = -(-max_total_seq_len // page_size)
             if num_pages < need:
@@ -217,6 +221,7 @@ class PagedAttentionKVCache:
             support_sliding_window=bool(support_sliding_window),
             target_kind=kind,
             cuda_arch=arch,
+            device_id=device_id,
             num_pages=num_pages,
             decode_splits=decode_splits,
             stable_decode_splits=stable_decode_splits,
@@ -275,8 +280,10 @@ class PagedAttentionKVCache:
         from ..build import load_kernels
 
         cfg = self.config = config
-        device = self.device = _device(cfg.target_kind)
+        device = self.device = _device(cfg.target_kind, cfg.device_id)
         if cfg.target_kind == "cuda" and not device.exist:
+            if cfg.device_id:
+                raise RuntimeError(f"device_id={cfg.device_id}: there is no cuda:{cfg.device_id} on this machine")
             raise RuntimeError("target='cuda' but no CUDA device is present; use target='llvm'")
         _check_memory(cfg, device)
         self._mla = cfg.is_mla
@@ -316,7 +323,8 @@ class PagedAttentionKVCache:
         if cfg.device_planning and "plan_decode" in self.kernels:
             self._planner.device = DevicePlanner(device, self.kernels["plan_decode"], self._table)
         self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, device.dlpack_device_type()
-        self._torch_fast: tuple | None = None  # (torch.Tensor, the cache's torch dtype, device type), on first use
+        self._dev_index, self._device_name = device.index, tensors.device_name(device)
+        self._torch_fast: tuple | None = None  # (torch.Tensor, the cache's torch dtype, torch device), on first use
         # MLA: the scale of the non-absorbed q.k (qk_nope + rope dims), known once mla_self_dims are
         self._default_sm_scale = cfg.mla_self_dims[0] ** -0.5 if cfg.mla_self_dims else cfg.head_dim**-0.5
         self._windows = cfg.layer_windows or (0,) * cfg.num_layers
@@ -699,7 +707,7 @@ class PagedAttentionKVCache:
         run_layer(fwd, self._page_args[layer], qkv_dev, o_dev, sm_scale, window)
         self._ran[layer] = self._step
         if kind == "torch" and self._torch_fast is None:
-            self._torch_fast = (type(qkv), getattr(tensors.torch_module(), self.config.dtype), qkv.device.type)
+            self._torch_fast = (type(qkv), getattr(tensors.torch_module(), self.config.dtype), qkv.device)
         return self._deliver(o_dev, out, kind)
 
     def attention_with_shared_kv(self, layer_id, q, k, v, out=None, sm_scale=None, *, rotate_q=False):
@@ -1345,6 +1353,18 @@ class PagedAttentionKVCache:
         if problems:
             raise IntegrityError("; ".join(problems))
 
+    def table_digest(self) -> str:
+        """A hex digest of the bookkeeping that decides every later page: each sequence's page list,
+        slots, window and token tree (resident and swapped), the free list in hand-out order and the
+        ref counts. Caches driven by the same operations (the shards of a tensor-parallel model,
+        docs/layout.md "Tensor parallelism") digest alike; no tensor is read."""
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=16)
+        self._table.digest(h)
+        self.pool.digest(h)
+        return h.hexdigest()
+
     # ------------------------------------------------------------------ reserved ids (imports)
     def reserve_sequence_id(self, seq_id, what: str, abandon) -> None:
         """Claim the unused ``seq_id`` for something in progress (an import, :mod:`.checkpoint` /
@@ -1532,12 +1552,13 @@ class PagedAttentionKVCache:
             type(x) is self._tvm_tensor
             and x.is_contiguous()
             and x.shape == shape
-            and x.device.dlpack_device_type() == self._dl_device_type
+            and (d := x.device).dlpack_device_type() == self._dl_device_type
+            and d.index == self._dev_index
             and x.dtype == self.config.dtype
         )
 
     def _torch_ok(self, x, shape: tuple) -> bool:
-        """True when ``x`` is a contiguous torch tensor of ``shape``, the cache's dtype and device kind, of
+        """True when ``x`` is a contiguous torch tensor of ``shape``, the cache's dtype and device, of
         the class an earlier call already checked through :meth:`_check_array` (a fast path for
         models that pass torch tensors every layer)."""
         fast = self._torch_fast
@@ -1546,7 +1567,7 @@ class PagedAttentionKVCache:
             and type(x) is fast[0]
             and x.dtype is fast[1]
             and x.shape == shape
-            and x.device.type == fast[2]
+            and x.device == fast[2]
             and x.is_contiguous()
         )
 
@@ -1559,7 +1580,7 @@ class PagedAttentionKVCache:
             raise ValueError(f"{name} has dtype {got_dtype}; expected {dtype}")
         if dtype is None and got_dtype != self.config.dtype:
             raise ValueError(f"{name} has dtype {got_dtype}; the cache holds {self.config.dtype}: cast it first")
-        want_dev = "cpu" if self.config.target_kind == "llvm" else "cuda"
+        want_dev = self._device_name
         if kind != "numpy" and got_dev != want_dev:
             raise ValueError(f"{name} is on {got_dev} but the cache's kernels run on {want_dev}; move it there")
         if not tensors.is_contiguous(x, kind):
@@ -1691,7 +1712,7 @@ def _int_list(values, name: str) -> list:
     return list(values)
 
 
-def _device(kind: str):
+def _device(kind: str, index: int = 0):
     import tvm
 
-    return tvm.cpu(0) if kind == "llvm" else tvm.cuda(0)
+    return tvm.cpu(0) if kind == "llvm" else tvm.cuda(index)

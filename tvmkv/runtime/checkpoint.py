@@ -413,7 +413,7 @@ def _check_group(cache, x, name: str, num_pages: int, *, writable: bool) -> str:
         raise ValueError(
             f"{name} has dtype {dtype}; the cache's pages hold {cfg.page_dtype}: pass a {cfg.page_dtype} tensor"
         )
-    cache_dev = "cpu" if cfg.target_kind == "llvm" else "cuda"
+    cache_dev = tensors.device_name(cache.device)
     if dev not in ("cpu", cache_dev):
         raise ValueError(f"{name} is on {dev}; pass it on the cache's device ({cache_dev}) or the CPU")
     if not tensors.is_contiguous(x, kind):

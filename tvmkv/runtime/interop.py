@@ -144,7 +144,7 @@ def _check_data(cache, x, name: str, shape=None, ndim=None) -> str:
         raise ValueError(f"{name} has shape {got_shape}; expected a {ndim}-d array")
     if got_dtype != cfg.dtype:
         raise ValueError(f"{name} has dtype {got_dtype}; the cache holds {cfg.dtype}: cast it first")
-    want_dev = "cpu" if cfg.target_kind == "llvm" else "cuda"
+    want_dev = tensors.device_name(cache.device)
     if kind != "numpy" and got_dev != want_dev:
         raise ValueError(f"{name} is on {got_dev} but the cache's pages are on {want_dev}; move it there")
     if not tensors.is_contiguous(x, kind):

@@ -139,6 +139,13 @@ class PagePool:
             holder.forget_pages()
 
     # ------------------------------------------------------------------ integrity
+    def digest(self, h) -> None:
+        """Feed the pool's state to the hashlib object ``h``: the free list in hand-out order and every
+        ref count (two pools that digest alike hand out the same pages for the same requests)."""
+        h.update(len(self._free).to_bytes(8, "little"))
+        h.update(np.asarray(self._free, np.int32).tobytes())
+        h.update(self._ref.tobytes())
+
     def check(self, page_lists: Iterable) -> list:
         """Problems (strings) of the accounting, given every sequence's page list: each page's ref
         count must equal the page lists plus holder references holding it; free + used == total."""

@@ -372,6 +372,17 @@ class SequenceTable:
         self.version += 1
 
     # ------------------------------------------------------------------ integrity
+    def digest(self, h) -> None:
+        """Feed every sequence's record to the hashlib object ``h`` in id order: resident ones (page
+        list, slots, window, token tree) then swapped ones (no pages); not the device-table rows."""
+        for table, tag in ((self.resident, b"R"), (self.swapped, b"S")):
+            for sid in sorted(table):
+                seq = table[sid]
+                fields = (sid, seq.kv_len, seq.sink_end, seq.window_start, int(seq.dropped), seq.window, seq.sink)
+                sizes = (len(seq.tree_parent), seq.num_pages)
+                h.update(tag + np.asarray(fields + sizes + tuple(seq.tree_parent), np.int64).tobytes())
+                h.update(seq.pages.tobytes())
+
     def check(self) -> list:
         """Problems (strings) of the table: page counts, lengths, windows, trees, stored page lists."""
         P, problems = self.page_size, []

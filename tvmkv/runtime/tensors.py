@@ -39,14 +39,19 @@ def torch_module():
     return torch
 
 
+def device_name(device) -> str:
+    """ "cpu" or "cuda:N" for a ``tvm.runtime.Device``."""
+    return "cpu" if device.dlpack_device_type() == 1 else f"cuda:{device.index}"
+
+
 def describe(x, kind: str):
-    """(shape, dtype name, device type "cpu"/"cuda") of an accepted array."""
+    """(shape, dtype name, device "cpu" / "cuda:N") of an accepted array."""
     if kind == "numpy":
         return tuple(x.shape), str(x.dtype), "cpu"
     if kind == "torch":
-        return tuple(x.shape), str(x.dtype).removeprefix("torch."), x.device.type
-    dev = "cpu" if x.device.dlpack_device_type() == 1 else "cuda"
-    return tuple(x.shape), str(x.dtype), dev
+        dev = "cpu" if x.device.type == "cpu" else f"{x.device.type}:{x.device.index}"
+        return tuple(x.shape), str(x.dtype).removeprefix("torch."), dev
+    return tuple(x.shape), str(x.dtype), device_name(x.device)
 
 
 def is_contiguous(x, kind: str) -> bool:

@@ -11,6 +11,11 @@ def make_cache(target="llvm", **options) -> tvmkv.PagedAttentionKVCache:
     return tvmkv.PagedAttentionKVCache(**cache_kwargs(target, **options))
 
 
+def make_sharded_cache(num_shards: int, target="llvm", **options) -> tvmkv.ShardedKVCache:
+    """A :class:`tvmkv.ShardedKVCache` of ``num_shards`` shards over :func:`cache_kwargs`'s cache."""
+    return tvmkv.ShardedKVCache(**cache_kwargs(target, **options), num_shards=num_shards)
+
+
 def cache_kwargs(
     target="llvm",
     *,

@@ -1,0 +1,164 @@
+"""Tensor parallelism on a real Disco session with CPU workers (issue 18): the shards live in worker
+processes, sequence operations go out from the controller, attention runs through the worker-side
+Relax global, and everything is checked against the unsharded NumPy model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tvmkv
+from tvmkv.reference.cache_model import CacheModel
+from tvmkv.replay import SCENARIOS
+from tvmkv.testing import cache_kwargs
+
+disco = pytest.importorskip("tvmkv.disco")
+
+SHAPE = cache_kwargs()  # the replay shape: 2 layers, 8 query / 2 KV heads, D 64, float32
+ATTENTION = "tvmkv.attention_with_fused_qkv"  # tvmkv.relax.builtins.ATTENTION_FUNC, as a model calls it
+
+
+@pytest.fixture(scope="module")
+def session():
+    with disco.TvmkvSession(2) as s:
+        yield s
+
+
+def _cache(session, **options):
+    kw = {k: v for k, v in SHAPE.items() if k not in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim")}
+    kw.update(options)
+    return disco.DiscoKVCache(session, SHAPE["num_layers"], 8, 2, 64, **kw)
+
+
+def _forward(session, cache, model, ids, lengths, rng, parents=None):
+    """One forward on the workers (qkv cut per shard, the worker's own cache passed to the Relax global)
+    and on the model; outputs gathered and compared."""
+    lay, sess = cache.layout, session.session
+    n = sum(lengths)
+    cache.begin_forward(ids, lengths, None if parents is None else [p for ps in parents for p in ps])
+    model.begin(ids, lengths, parents)
+    attention = sess.get_global_func(ATTENTION)
+    for layer in range(SHAPE["num_layers"]):
+        qkv = rng.uniform(-1, 1, (n, 12, 64)).astype(np.float32)
+        part = sess.empty((n, lay.qo_per_shard + 2 * lay.kv_per_shard, 64), "float32")
+        out = sess.empty((n, lay.qo_per_shard, 64), "float32")
+        for w in range(session.num_workers):
+            part.debug_copy_from(w, np.ascontiguousarray(qkv[:, lay.qkv_rows(w)]))
+        attention(cache.handle, layer, 64**-0.5, part, out)
+        o = np.concatenate([out.debug_get_from_remote(w).numpy() for w in range(session.num_workers)], axis=1)
+        ref, _ = model.attention(layer, qkv)
+        np.testing.assert_allclose(o, ref, atol=1e-4, rtol=1e-4, err_msg=f"layer {layer}, seqs {ids}")
+    cache.end_forward()
+    model.end()
+
+
+@pytest.mark.parametrize("scenario", ["tvm_operation_seq", "fork", "tree"])
+def test_scenario_on_disco_workers(session, scenario):
+    cache = _cache(session, rope_mode="normal")
+    model = CacheModel(SHAPE["num_layers"], 8, 2, 64, rope_mode="normal")
+    rng = np.random.default_rng(0)
+    for op in SCENARIOS[scenario]:
+        kind = op[0]
+        if kind == "add":
+            cache.add_sequence(op[1])
+            model.add(op[1])
+        elif kind == "remove":
+            cache.remove_sequence(op[1])
+            model.remove(op[1])
+        elif kind == "fork":
+            cache.fork_sequence(*op[1:])
+            model.fork(*op[1:])
+        elif kind == "pop":
+            cache.pop_n(*op[1:])
+            model.pop(*op[1:])
+        elif kind == "fwd":
+            _forward(session, cache, model, [x[0] for x in op[1]], [x[1] for x in op[1]], rng)
+        elif kind == "tree":
+            parents = [list(x[1]) for x in op[1]]
+            _forward(session, cache, model, [x[0] for x in op[1]], [len(p) for p in parents], rng, parents)
+        elif kind == "commit":
+            ids, leaves = [x[0] for x in op[1]], [x[1] for x in op[1]]
+            cache.commit_accepted_token_tree_nodes(ids, leaves)
+            model.commit(ids, leaves)
+        cache.check_integrity()
+        for sid in cache.sequence_ids():
+            assert cache.sequence_length(sid) == model.length(sid)
+            if model.length(sid):
+                _, k_ref, v_ref = model.kept_kv(sid)
+                k, v = cache.debug_get_kv(sid)
+                np.testing.assert_allclose(k, k_ref, atol=1e-5, rtol=1e-5, err_msg=f"K of {sid} after {op}")
+                np.testing.assert_allclose(v, v_ref, atol=1e-5, rtol=1e-5, err_msg=f"V of {sid} after {op}")
+    assert cache.sequence_ids() == [] and cache.is_empty()  # every scenario ends removing its sequences
+    d = cache.digests()
+    assert len(d) == 2 and d[0] == d[1]
+
+
+def test_stored_kv_gathered_from_workers(session):
+    cache = _cache(session)
+    model = CacheModel(SHAPE["num_layers"], 8, 2, 64)
+    rng = np.random.default_rng(1)
+    for sid in (3, 4):
+        cache.add_sequence(sid)
+        model.add(sid)
+    _forward(session, cache, model, [3, 4], [17, 5], rng)
+    cache.fork_sequence(3, 5, 9)
+    model.fork(3, 5, 9)
+    _forward(session, cache, model, [5, 4], [2, 1], rng)
+    for sid in (3, 4, 5):
+        _, k_ref, v_ref = model.kept_kv(sid)
+        k, v = cache.debug_get_kv(sid)
+        np.testing.assert_allclose(k, k_ref, atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(v, v_ref, atol=1e-6, rtol=1e-6)
+    cache.calls([("remove_sequence", (5,)), ("remove_sequence", (3,)), ("remove_sequence", (4,))])
+    cache.check_integrity()
+
+
+def test_worker_errors_are_raised_on_the_controller(session):
+    cache = _cache(session, num_pages=6, max_total_seq_len=64)
+    cache.add_sequence(0)
+    with pytest.raises(KeyError, match="seq_id 0 is already in the cache"):
+        cache.add_sequence(0)
+    with pytest.raises(KeyError, match="sequence 9"):
+        cache.begin_forward([9], [1])
+    with pytest.raises(tvmkv.OutOfPagesError) as err:
+        cache.begin_forward([0], [7 * 16])
+    assert (err.value.needed, err.value.available) == (7, 6)
+    with pytest.raises(TypeError, match="must be an int"):
+        cache.pop_n(0, 1.5)
+    with pytest.raises(ValueError, match="'check_integrity' is not a sequence operation"):
+        cache.calls([("check_integrity", ())])
+    # a batch of calls stops at the first refused one; those before it ran on every worker
+    with pytest.raises(KeyError, match="sequence 8"):
+        cache.calls([("add_sequence", (1,)), ("remove_sequence", (8,)), ("add_sequence", (2,))])
+    cache.check_integrity()
+    model = CacheModel(SHAPE["num_layers"], 8, 2, 64)
+    for sid in (0, 1):
+        model.add(sid)
+    _forward(session, cache, model, [0, 1], [3, 4], np.random.default_rng(2))
+    with pytest.raises(ValueError, match="page_size=3"):
+        _cache(session, page_size=3)
+    with pytest.raises(ValueError, match="does not divide num_kv_heads=3"):
+        disco.DiscoKVCache(session, 2, 6, 3, 64)
+
+
+def test_diverged_digests_name_the_worker(session, monkeypatch):
+    cache = _cache(session)
+    cache.check_integrity()
+    monkeypatch.setattr(cache, "digests", lambda: ["a" * 32, "b" * 32])
+    with pytest.raises(tvmkv.ShardDivergenceError, match="shard 1 diverged") as err:
+        cache.check_integrity()
+    assert err.value.shard == 1
+
+
+def test_a_dead_worker_is_an_error_not_an_abort():
+    s = disco.TvmkvSession(2)
+    cache = disco.DiscoKVCache(s, 2, 8, 2, 64, dtype="float32")
+    cache.add_sequence(0)
+    s.pool.procs[1].kill()
+    s.pool.procs[1].wait()
+    with pytest.raises(disco.WorkerDiedError, match="worker 1 exited"):
+        cache.add_sequence(1)
+    s.shutdown()  # closes the cache too: no DRef of it keeps the session
+    assert cache.handle is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        cache.add_sequence(2)

@@ -1,0 +1,374 @@
+"""The controller half: a Disco session whose workers run tvmkv, and ``DiscoKVCache``, the sharded cache
+driven from the controller (docs/layout.md, "Tensor parallelism").
+
+:func:`start_session` starts ``num_workers`` worker processes (:mod:`.worker`'s entry point) and keeps
+their process handles, so that a worker that died is reported as :class:`WorkerDiedError` before the
+next call instead of aborting the controller on a broken pipe. :class:`DiscoKVCache` creates one shard
+per worker and issues every sequence operation to all of them in one Disco call each; the workers'
+page tables then agree without communication (page allocation depends only on the operations), and
+:meth:`DiscoKVCache.check_integrity` compares their digests.
+
+Errors: a worker cannot raise to the controller (an exception in a worker function kills it), so each
+call's outcome comes back from worker 0 as JSON and is raised here as the same exception; every
+worker ran the same call on the same bookkeeping, so the others refused it alike (nothing changed on
+any of them: the cache's calls are atomic). A worker that accepted what worker 0 refused shows up in
+``check_integrity`` as :class:`~tvmkv.errors.ShardDivergenceError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+
+from .. import errors
+from ..runtime.sharding import ShardLayout
+from . import worker as W
+from .runtime import load
+
+ENTRYPOINT = "tvmkv.disco"
+_pool_ids = itertools.count()
+
+
+class WorkerDiedError(errors.TvmkvError, RuntimeError):
+    """A Disco worker process exited; the session cannot be used any more (start a new one)."""
+
+    def __init__(self, worker: int, returncode: int):
+        self.worker = worker
+        self.returncode = returncode
+        super().__init__(
+            f"Disco worker {worker} exited (return code {returncode}); its output is above. The session is "
+            "unusable: drop it and start a new one"
+        )
+
+
+class _Pool:
+    """The worker processes of one session (workers 1 .. n-1; worker 0 is a thread of this process)."""
+
+    def __init__(self, num_workers: int, num_groups: int):
+        self.num_workers, self.num_groups = num_workers, num_groups
+        self.procs: dict = {}
+        # this process keeps the read end of each worker's command pipe open too: Disco's destructor then
+        # writes its short shutdown message into the pipe even after a worker died (writing to a pipe
+        # nobody reads fails, and Disco aborts the process on that failure)
+        self.held: list = []
+
+    def __call__(self, worker_id: int):
+        """What Disco's process session asks its pool function for: ``Shape([read_fd, write_fd])`` of a
+        started worker ``worker_id`` > 0 (None for worker 0)."""
+        from tvm_ffi import Shape
+
+        if worker_id == 0:
+            return None
+        main_read, worker_write = os.pipe()
+        worker_read, main_write = os.pipe()
+        args = [worker_id, self.num_workers, self.num_groups, worker_read, worker_write]
+        self.procs[worker_id] = subprocess.Popen(
+            [sys.executable, "-m", ENTRYPOINT, *map(str, args)], pass_fds=(worker_read, worker_write)
+        )
+        self.held.append(worker_read)
+        os.close(worker_write)
+        return Shape((main_read, main_write))
+
+    def check(self) -> None:
+        for worker, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise WorkerDiedError(worker, code)
+
+
+class TvmkvSession:
+    """A Disco ``ProcessSession`` of ``num_workers`` workers that run :mod:`tvmkv.disco.worker`.
+
+    ``session`` is the Disco session itself (for ``init_ccl``, ``load_vm_module``, tensors); call
+    :meth:`check_workers` before a call that must not reach a dead worker (``DiscoKVCache`` does).
+    :meth:`shutdown` (or leaving the ``with``) stops the workers.
+    """
+
+    def __init__(self, num_workers: int, *, num_groups: int = 1):
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"num_workers={num_workers!r} must be a positive int")
+        if not isinstance(num_groups, int) or num_groups < 1 or num_workers % num_groups:
+            raise ValueError(f"num_groups={num_groups!r} must be a positive int dividing num_workers={num_workers}")
+        disco = load()
+        W.register()  # worker 0 is a thread of this process
+        from tvm.runtime.disco import _ffi_api
+        from tvm_ffi import register_global_func
+
+        self.pool = _Pool(num_workers, num_groups)
+        name = f"tvmkv.disco.process_pool.{next(_pool_ids)}"
+        register_global_func(name, lambda n, g, entry: self.pool, override=True)
+        session = disco.ProcessSession.__new__(disco.ProcessSession)
+        session.__init_handle_by_constructor__(_ffi_api.SessionProcess, num_workers, num_groups, name, ENTRYPOINT)
+        self.session = session
+        self.num_workers = num_workers
+        self.caches: weakref.WeakSet = weakref.WeakSet()  # DiscoKVCaches of this session (shutdown drops them)
+
+    def check_workers(self) -> None:
+        """Raise :class:`WorkerDiedError` when a worker process has exited."""
+        if self.session is None:
+            raise RuntimeError("this session was shut down; start a new TvmkvSession")
+        self.pool.check()
+
+    def call(self, name: str, *args):
+        """Call global function ``name`` on every worker (after :meth:`check_workers`); returns the DRef."""
+        self.check_workers()
+        return self.session.get_global_func(name)(*args)
+
+    def fetch(self, dref, worker: int = 0):
+        """The value ``dref`` holds on ``worker`` (waits for it)."""
+        self.check_workers()
+        return dref.debug_get_from_remote(worker)
+
+    def shutdown(self) -> None:
+        """Stop the workers; the session's ``DiscoKVCache`` objects are closed with it. Drop other ``DRef``
+        objects of the session (tensors, VM modules) first: Disco ends a session when its last reference
+        goes, and one that outlives this call ends at interpreter exit."""
+        if self.session is None:
+            return
+        import gc
+
+        for cache in list(self.caches):
+            cache.handle = None  # its shards go with the session
+
+        # Disco's Session caches the DPackedFuncs of its helper methods (empty, ...), each of which holds the
+        # session: a cycle through objects the collector does not traverse; drop it
+        cached = getattr(self.session, "_cache", None)
+        if isinstance(cached, dict):
+            cached.clear()
+        gc.collect()  # DRefs held only by reference cycles (tracebacks) keep the session alive
+        self.session = None  # Disco's destructor tells the workers to stop and joins worker 0
+        try:
+            for proc in self.pool.procs.values():
+                proc.wait(timeout=30)
+            for fd in self.pool.held:
+                os.close(fd)
+            self.pool.held.clear()
+        except subprocess.TimeoutExpired:
+            import warnings
+
+            warnings.warn(
+                "Disco workers still run after TvmkvSession.shutdown(): a DiscoKVCache or DRef of the session is "
+                "still referenced; the workers stop when it goes",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def __enter__(self) -> TvmkvSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+_ERROR_TYPES = {
+    cls.__name__: cls
+    for cls in (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        RuntimeError,
+        NotImplementedError,
+        MemoryError,
+        errors.ForwardStateError,
+        errors.IntegrityError,
+    )
+}
+
+
+def raise_error(text: str, worker: int = 0) -> None:
+    """Raise the exception a worker encoded (:func:`tvmkv.disco.worker.encode_error`); no-op for ""."""
+    if not text:
+        return
+    e = json.loads(text)
+    kind, message = e["type"], e["message"]
+    err: Exception
+    if kind == "OutOfPagesError":
+        err = errors.OutOfPagesError(e["needed"], e["available"])
+    elif kind == "SequenceSwappedError":
+        err = errors.SequenceSwappedError(e["seq_id"])
+    elif kind in _ERROR_TYPES:
+        err = _ERROR_TYPES[kind](message)
+    else:
+        err = RuntimeError(f"worker {worker} raised {kind}: {message}")
+    try:
+        raise err
+    finally:
+        del err  # no cycle through this frame: the caller's DRefs (and the session) go with the exception
+
+
+class DiscoKVCache:
+    """A tensor-parallel cache: one :class:`~tvmkv.PagedAttentionKVCache` shard per Disco worker.
+
+    Parameters
+    ----------
+    session : TvmkvSession
+        Its workers each hold one shard (``ShardLayout(num_qo_heads, num_kv_heads, num_workers)``).
+    num_layers, num_qo_heads, num_kv_heads, head_dim : int
+        The whole model's shape.
+    device_ids : list of int, optional
+        cuda: the GPU of each worker (default ``0 .. num_workers - 1``, as ``init_ccl("nccl", *ids)``).
+    **options
+        The cache's keyword options, for every shard (``kv_scales`` for the whole model).
+
+    ``handle`` is the ``DRef`` of the shards: pass it to a Relax VM's functions in place of a cache.
+    Sequence operations are those of :class:`~tvmkv.PagedAttentionKVCache` and raise what it raises;
+    ``calls`` issues several in one Disco call (one per step: ``[("end_forward", ()), ("begin_forward",
+    (ids, lengths))]``).
+    """
+
+    def __init__(
+        self, session: TvmkvSession, num_layers, num_qo_heads, num_kv_heads, head_dim, *, device_ids=None, **options
+    ):
+        self.session = session
+        self.layout = ShardLayout(num_qo_heads, num_kv_heads, session.num_workers)
+        if device_ids is None:
+            device_ids = list(range(session.num_workers))
+        device_ids = [int(d) for d in device_ids]
+        if len(device_ids) != session.num_workers:
+            raise ValueError(f"device_ids={device_ids} must name one GPU per worker ({session.num_workers})")
+        if options.get("kv_scales") is not None:
+            options["kv_scales"] = np.asarray(options["kv_scales"], np.float32).tolist()
+        try:
+            spec = json.dumps(
+                {
+                    "shape": [num_layers, num_qo_heads, num_kv_heads, head_dim],
+                    "options": options,
+                    "device_ids": device_ids,
+                }
+            )
+        except TypeError as err:
+            raise TypeError(f"cache options must be plain values (numbers, strings, lists, dicts): {err}") from None
+        self.handle = session.call(W.CREATE, spec)
+        raise_error(session.fetch(session.call(W.ERROR)))
+        session.caches.add(self)
+
+    # ------------------------------------------------------------------ calls
+    def calls(self, calls) -> None:
+        """Issue ``calls`` (``(method, args)`` or ``(method, args, kwargs)``) to every shard in one Disco call;
+        the first that worker 0 refuses is raised (the calls before it ran, on every shard)."""
+        packed = []
+        for c in calls:
+            method, args, kwargs = (c[0], c[1], c[2] if len(c) > 2 else {})
+            if method not in W.METHODS:
+                raise ValueError(f"{method!r} is not a sequence operation; one of {sorted(W.METHODS)}")
+            packed.append([method, _plain(args), _plain(kwargs)])
+        try:
+            text = json.dumps(packed)
+        except TypeError as err:
+            raise TypeError(f"arguments must be ints, lists of ints or None: {err}") from None
+        raise_error(self.session.fetch(self.session.call(W.APPLY, self.handle, text)))
+
+    def add_sequence(self, seq_id) -> None:
+        self.calls([("add_sequence", (seq_id,))])
+
+    def remove_sequence(self, seq_id) -> None:
+        self.calls([("remove_sequence", (seq_id,))])
+
+    def fork_sequence(self, parent_seq_id, child_seq_id, fork_pos=-1) -> None:
+        self.calls([("fork_sequence", (parent_seq_id, child_seq_id, fork_pos))])
+
+    def pop_n(self, seq_id, n) -> None:
+        self.calls([("pop_n", (seq_id, n))])
+
+    def enable_sliding_window_for_seq(self, seq_id, sliding_window_size, attn_sink_size=0) -> None:
+        self.calls([("enable_sliding_window_for_seq", (seq_id, sliding_window_size, attn_sink_size))])
+
+    def begin_forward(self, seq_ids, append_lengths, token_tree_parent_ptr=None) -> None:
+        self.calls([("begin_forward", (seq_ids, append_lengths, token_tree_parent_ptr))])
+
+    def end_forward(self) -> None:
+        self.calls([("end_forward", ())])
+
+    def commit_accepted_token_tree_nodes(self, seq_ids, leaf_indices, *, scope="tree") -> None:
+        self.calls([("commit_accepted_token_tree_nodes", (seq_ids, leaf_indices), {"scope": scope})])
+
+    def clear(self) -> None:
+        self.calls([("clear", ())])
+
+    def swap_out(self, seq_ids, **options) -> None:
+        self.calls([("swap_out", (seq_ids,), options)])
+
+    def swap_in(self, seq_ids, **options) -> None:
+        self.calls([("swap_in", (seq_ids,), options)])
+
+    # ------------------------------------------------------------------ reads (worker 0 answers)
+    def _query(self, method: str, *args):
+        text = str(self.session.fetch(self.session.call(W.QUERY, self.handle, method, json.dumps(_plain(args)))))
+        answer = json.loads(text)
+        if "value" not in answer:
+            raise_error(text)
+        return answer["value"]
+
+    def sequence_ids(self) -> list:
+        return self._query("sequence_ids")
+
+    def sequence_length(self, seq_id) -> int:
+        return self._query("sequence_length", seq_id)
+
+    def num_available_pages(self) -> int:
+        return self._query("num_available_pages")
+
+    def total_sequence_length(self) -> int:
+        return self._query("total_sequence_length")
+
+    def is_empty(self) -> bool:
+        return self._query("is_empty")
+
+    def num_pages_needed(self, seq_id, num_tokens) -> int:
+        return self._query("num_pages_needed", seq_id, num_tokens)
+
+    def is_swapped(self, seq_id) -> bool:
+        return self._query("is_swapped", seq_id)
+
+    def digests(self) -> list:
+        """Every worker's :meth:`~tvmkv.PagedAttentionKVCache.table_digest`, in worker order."""
+        d = self.session.call(W.DIGEST, self.handle)
+        return [str(self.session.fetch(d, w)) for w in range(self.session.num_workers)]
+
+    def check_integrity(self) -> None:
+        """Each shard's own integrity check, then that all shards' bookkeeping digests alike:
+        :class:`~tvmkv.errors.ShardDivergenceError` names the first worker that differs."""
+        digests = self.digests()
+        for w, d in enumerate(digests):
+            if d.startswith("error: "):
+                raise errors.IntegrityError(f"worker {w}: {json.loads(d[7:])['message']}")
+        for w, d in enumerate(digests[1:], 1):
+            if d != digests[0]:
+                raise errors.ShardDivergenceError(w, "its page tables digest differently from worker 0's")
+
+    def debug_get_kv(self, seq_id, start_pos=0, end_pos=None):
+        """K and V of every KV head of the model, float32 NumPy ``[num_layers, n, H_kv, D]`` each, gathered
+        from the workers (a replicated head from the first worker holding it)."""
+        if end_pos is None:
+            end_pos = -1
+        ref = self.session.call(W.GET_KV, self.handle, int(seq_id), int(start_pos), int(end_pos))
+        parts = [self.session.fetch(ref, w).numpy() for w in range(self.session.num_workers)]
+        if any(p.ndim != 5 for p in parts):
+            raise KeyError(
+                f"debug_get_kv({seq_id}, {start_pos}, {end_pos}) failed on a worker: check the sequence id and range"
+            )
+        lay = self.layout
+        shape = parts[0].shape
+        kv = np.zeros((2, shape[1], shape[2], lay.num_kv_heads, shape[4]), np.float32)
+        for h in range(lay.num_kv_heads):
+            w = lay.shard_of_kv_head(h)
+            kv[:, :, :, h] = parts[w][:, :, :, h - lay.kv_heads(w).start]
+        return kv[0], kv[1]
+
+
+def _plain(x):
+    """Arguments as JSON-ready Python values (NumPy ints and arrays become ints and lists)."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) or (hasattr(x, "__iter__") and not isinstance(x, (str, bytes))):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.integer):
+        return int(x)
+    return x

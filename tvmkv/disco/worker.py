@@ -1,0 +1,202 @@
+"""The worker half of a tensor-parallel cache on Disco: the functions every worker runs on its own shard,
+and the worker process's entry point.
+
+Disco starts workers ``1 .. n-1`` as ``python -m tvmkv.disco <worker_id> <num_workers>
+<num_groups> <read_fd> <write_fd>``; worker 0 is a thread of the controller process, which imports
+this module too. Each worker's shard is an ordinary :class:`~tvmkv.PagedAttentionKVCache` over the
+heads :class:`~tvmkv.ShardLayout` gives its rank; the controller holds a ``DRef`` to it and passes
+that to every later call (and to a Relax VM's functions, which then see the worker's own cache).
+
+An exception escaping a Disco worker function kills that worker and aborts the controller, so every
+function here catches what the cache raises and returns it as a JSON string (``""`` when the call
+succeeded), which the controller turns back into the same exception (:mod:`.session`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable
+
+import numpy as np
+
+# the global function names (the controller calls them by these names)
+CREATE = "tvmkv.disco.create_shard"
+APPLY = "tvmkv.disco.apply"
+DIGEST = "tvmkv.disco.digest"
+GET_KV = "tvmkv.disco.debug_get_kv"
+ERROR = "tvmkv.disco.creation_error"
+QUERY = "tvmkv.disco.query"
+
+# the cache methods APPLY may call: the sequence operations, issued to every worker alike
+METHODS = frozenset(
+    {
+        "add_sequence",
+        "remove_sequence",
+        "fork_sequence",
+        "pop_n",
+        "enable_sliding_window_for_seq",
+        "begin_forward",
+        "end_forward",
+        "commit_accepted_token_tree_nodes",
+        "clear",
+        "swap_out",
+        "swap_in",
+    }
+)
+
+# the cache queries QUERY answers (worker 0's answer is the controller's)
+QUERIES = frozenset(
+    {
+        "sequence_ids",
+        "sequence_length",
+        "num_available_pages",
+        "total_sequence_length",
+        "is_empty",
+        "num_pages_needed",
+        "is_swapped",
+    }
+)
+
+_creation_errors: dict = {}  # worker rank -> the JSON error of its last failed create_shard
+
+
+def encode_error(err: BaseException) -> str:
+    """A caught exception as the JSON the controller decodes (:func:`tvmkv.disco.session.raise_error`)."""
+    fields = {"type": type(err).__name__, "message": str(err.args[0]) if len(err.args) == 1 else str(err)}
+    for name in ("needed", "available", "seq_id"):  # OutOfPagesError, SequenceSwappedError
+        if hasattr(err, name):
+            fields[name] = getattr(err, name)
+    return json.dumps(fields)
+
+
+def _rank() -> tuple:
+    from tvm_ffi import get_global_func
+
+    return int(get_global_func("runtime.disco.worker_rank")()), int(get_global_func("runtime.disco.world_size")())
+
+
+def _create(spec: str):
+    """``create_shard(spec)``: this worker's cache, or None (then ``creation_error()`` says why).
+
+    ``spec`` is JSON: ``shape`` (num_layers, num_qo_heads, num_kv_heads, head_dim of the whole
+    model), ``options`` (the cache's keyword options; ``kv_scales`` for the whole model) and
+    ``device_ids`` (the GPU of each worker, on cuda)."""
+    rank = -1
+    try:
+        from ..runtime.cache import PagedAttentionKVCache
+        from ..runtime.sharding import ShardLayout
+
+        rank, world = _rank()
+        _creation_errors.pop(rank, None)
+        s = json.loads(spec)
+        layers, hq, hkv, head_dim = s["shape"]
+        layout = ShardLayout(hq, hkv, world)
+        options = dict(s["options"])
+        if options.get("kv_scales") is not None:
+            options["kv_scales"] = layout.shard_kv_scales(np.asarray(options["kv_scales"], np.float32), rank)
+        if options.get("target", "llvm") != "llvm":
+            options["device_id"] = s["device_ids"][rank]
+        return PagedAttentionKVCache(layers, layout.qo_per_shard, layout.kv_per_shard, head_dim, **options)
+    except Exception as err:  # noqa: BLE001  (a raise here would kill the worker)
+        _creation_errors[rank] = encode_error(err)
+        return None
+
+
+def _creation_error() -> str:
+    """``creation_error()``: why this worker's last ``create_shard`` returned None ("" if it did not)."""
+    try:
+        return _creation_errors.get(_rank()[0], "")
+    except Exception as err:  # noqa: BLE001
+        return encode_error(err)
+
+
+def _apply(cache, calls: str) -> str:
+    """``apply(cache, calls)``: run the JSON list of ``[method, args, kwargs]`` calls on this worker's
+    cache in order, stopping at the first that raises; returns its error as JSON, or "" when all ran."""
+    try:
+        for method, args, kwargs in json.loads(calls):
+            if method not in METHODS:
+                raise ValueError(f"{method!r} is not a sequence operation a worker runs; one of {sorted(METHODS)}")
+            getattr(cache, method)(*args, **kwargs)
+        return ""
+    except Exception as err:  # noqa: BLE001
+        return encode_error(err)
+
+
+def _query(cache, method: str, args: str) -> str:
+    """``query(cache, method, args)``: ``{"value": ...}`` of the cache query ``method`` (JSON args), or
+    the error it raised."""
+    try:
+        if method not in QUERIES:
+            raise ValueError(f"{method!r} is not a query a worker answers; one of {sorted(QUERIES)}")
+        return json.dumps({"value": getattr(cache, method)(*json.loads(args))})
+    except Exception as err:  # noqa: BLE001
+        return encode_error(err)
+
+
+def _digest(cache) -> str:
+    """``digest(cache)``: :meth:`~tvmkv.PagedAttentionKVCache.table_digest` after the cache's own
+    integrity check (``"error: ..."`` when that fails)."""
+    try:
+        cache.check_integrity()
+        return cache.table_digest()
+    except Exception as err:  # noqa: BLE001
+        return "error: " + encode_error(err)
+
+
+def _get_kv(cache, seq_id: int, start: int, end: int):
+    """``debug_get_kv(cache, seq_id, start, end)``: this shard's K and V of those tokens as one float32
+    CPU tensor ``[2, num_layers, n, kv_per_shard, D]`` (empty ``[0]`` when the read fails)."""
+    import tvm
+
+    try:
+        k, v = cache.debug_get_kv(seq_id, start, None if end < 0 else end)
+        return tvm.runtime.tensor(np.stack([k, v]).astype(np.float32))
+    except Exception:  # noqa: BLE001
+        return tvm.runtime.tensor(np.zeros(0, np.float32))
+
+
+def register() -> None:
+    """Register the worker functions and tvmkv's Relax globals in this process (idempotent)."""
+    import tvm_ffi
+
+    from ..relax.builtins import register as register_relax
+
+    funcs: dict[str, Callable] = {
+        CREATE: _create,
+        APPLY: _apply,
+        QUERY: _query,
+        DIGEST: _digest,
+        GET_KV: _get_kv,
+        ERROR: _creation_error,
+    }
+    for name, func in funcs.items():
+        tvm_ffi.register_global_func(name, func, override=True)
+    register_relax()
+
+
+def main(argv=None) -> None:
+    """Entry point of a worker process: load Disco, register the functions, serve the controller."""
+    from ..payload import bootstrap
+
+    bootstrap()  # the GPU machine's runtime-only TVM: its CUDA backend first
+    from .runtime import load
+
+    load()
+    register()
+    for name in filter(None, os.environ.get("TVMKV_DISCO_IMPORTS", "").split(",")):
+        __import__(name)  # e.g. a collective backend's module
+    argv = sys.argv[1:] if argv is None else argv
+    worker_id, num_workers, num_groups, reader, writer = (int(x) for x in argv)
+    from tvm_ffi import get_global_func
+
+    try:
+        get_global_func("runtime.disco.WorkerProcess")(worker_id, num_workers, num_groups, reader, writer)
+    except (OSError, KeyboardInterrupt):
+        pass
+
+
+if __name__ == "__main__":
+    main()
