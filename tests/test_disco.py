@@ -162,3 +162,39 @@ def test_a_dead_worker_is_an_error_not_an_abort():
     assert cache.handle is None
     with pytest.raises(RuntimeError, match="shut down"):
         cache.add_sequence(2)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tensor-parallel", "2"],
+        # 4 shards over 2 KV heads (each replicated twice), scarce pages: swap preemption and a fork
+        ["--tensor-parallel", "4", "--num-pages", "6"],
+        ["--tensor-parallel", "2", "--num-pages", "6", "--preemption", "recompute", "--dtype", "float16"],
+    ],
+)
+def test_generate_on_sharded_model(argv, capsys):
+    """The tiny Llama sharded over CPU Disco workers (gloo all-reduces): every step's logits against the
+    single-device model run beside it and against PyTorch (main exits 1 when either differs)."""
+    from tvmkv.generate import main
+
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "max |logit difference| from the single-device run" in out and "check: OK" in out
+    if "--num-pages" in argv:
+        assert "preempt" in out
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--tensor-parallel", "3"], "num_shards=3 does not divide num_qo_heads=4"),
+        (["--tensor-parallel", "2", "--interface", "tvm"], "not with --interface tvm"),
+        (["--tensor-parallel", "0"], "must be a positive int"),
+    ],
+)
+def test_generate_refuses_what_it_cannot_shard(argv, words, capsys):
+    from tvmkv.generate import main
+
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err

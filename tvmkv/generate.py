@@ -22,6 +22,11 @@ Drivers: ``--interface tvmkv`` (default) drives the cache through its Python met
 calls ``tvmkv.attention_with_fused_qkv``; ``--interface tvm`` compiles the model against TVM's
 ``PagedKVCache`` and drives everything through the ``vm.builtin.*`` functions, as an MLC-style
 engine would, with :class:`tvmkv.relax.TvmBuiltinOverride` installed.
+
+``--tensor-parallel N`` shards the model over N Disco workers (:mod:`tvmkv.disco`: heads and MLP
+columns split, two all-reduces per layer, one cache shard per worker) and runs the unsharded model on
+its own cache beside it: every step's logits are checked against that single-device run as well as
+against PyTorch. On the CPU the workers are processes whose all-reduces go through gloo.
 """
 
 from __future__ import annotations
@@ -109,6 +114,72 @@ class DirectOps:
 
     def num_available_pages(self) -> int:
         return self.cache.num_available_pages()
+
+
+class _TwinCaches:
+    """What the scheduler sees as the cache of :class:`TwinOps`: ``primary`` answers every query, and
+    the swaps it makes itself (``swap_out`` / ``swap_in``) go to both caches."""
+
+    def __init__(self, primary, twin):
+        self._primary, self._twin = primary, twin
+
+    def __getattr__(self, name):
+        return getattr(self._primary, name)
+
+    def swap_out(self, seq_ids, **options):
+        self._primary.swap_out(seq_ids, **options)
+        self._twin.swap_out(seq_ids, **options)
+
+    def swap_in(self, seq_ids, **options):
+        self._primary.swap_in(seq_ids, **options)
+        self._twin.swap_in(seq_ids, **options)
+
+
+class TwinOps:
+    """Every sequence operation to ``ops`` and to ``twin`` (the single-device run beside a sharded one);
+    ``cache`` (what the scheduler asks) is ``ops``'s, its swaps made on both."""
+
+    def __init__(self, ops, twin):
+        self.ops, self.twin = ops, twin
+        self.cache = _TwinCaches(ops.cache, twin.cache)
+
+    def add_sequence(self, seq_id):
+        self.ops.add_sequence(seq_id)
+        self.twin.add_sequence(seq_id)
+
+    def remove_sequence(self, seq_id):
+        self.ops.remove_sequence(seq_id)
+        self.twin.remove_sequence(seq_id)
+
+    def fork_sequence(self, parent, child, fork_pos=-1):
+        self.ops.fork_sequence(parent, child, fork_pos)
+        self.twin.fork_sequence(parent, child, fork_pos)
+
+    def begin_forward(self, seq_ids, lengths):
+        self.ops.begin_forward(seq_ids, lengths)
+        self.twin.begin_forward(seq_ids, lengths)
+
+    def end_forward(self):
+        self.ops.end_forward()
+        self.twin.end_forward()
+
+    def num_available_pages(self) -> int:
+        return self.ops.num_available_pages()
+
+
+class TwinModel:
+    """``model`` on the sharded cache and ``twin`` on the single-device one (the same forward);
+    returns ``model``'s logits and keeps the largest difference from ``twin``'s (``max_diff``)."""
+
+    def __init__(self, model, twin, twin_cache):
+        self.model, self.twin, self.twin_cache = model, twin, twin_cache
+        self.max_diff = 0.0
+
+    def forward(self, token_ids, cache):
+        logits = self.model.forward(token_ids, cache)
+        single = self.twin.forward(token_ids, self.twin_cache)
+        self.max_diff = max(self.max_diff, float(np.abs(logits - single).max()))
+        return logits
 
 
 class BuiltinOps:
@@ -337,6 +408,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prepend the same N tokens to every prompt (default: 32 with --prefix-cache, else 0)",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N Disco workers (one cache shard each), checked against the single-device "
+        "run and PyTorch",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the PyTorch reference check")
     p.add_argument("--build-dir", default=None, help=f"tvmkv's {BUILD_DIR_HELP}; here: {default_build_dir()}")
     p.add_argument(
@@ -407,6 +486,10 @@ def _check_options(args) -> str | None:
     if args.export_lib and args.model_lib:
         return "pass --export-lib (compile and write the model) or --model-lib (run a written one), not both"
     cfg = LlamaConfig(num_layers=args.layers, head_dim=args.head_dim, dtype=args.dtype, seed=args.seed)
+    if args.tensor_parallel != 1:
+        problem = _check_tensor_parallel(args, cfg)
+        if problem is not None:
+            return problem
     requests = default_requests(cfg.vocab_size, args.seed, _system_prompt(args))
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     need = -(-longest // args.page_size)
@@ -431,6 +514,33 @@ def _check_options(args) -> str | None:
         return f"{err} (options --page-size, --prefill-chunk-size, --max-batch-size, --num-pages)"
     if args.model_lib:
         return _check_model_lib(Path(args.model_lib), _model_key(cfg, args.interface, args.target))
+    return None
+
+
+def _check_tensor_parallel(args, cfg) -> str | None:
+    from tvmkv.runtime.sharding import ShardLayout
+
+    n = args.tensor_parallel
+    if n < 1:
+        return f"--tensor-parallel {n} must be a positive int"
+    try:
+        ShardLayout(cfg.num_qo_heads, cfg.num_kv_heads, n)
+    except ValueError as err:
+        return f"--tensor-parallel {n}: {err}"
+    if cfg.intermediate_size % n:
+        return f"--tensor-parallel {n} does not divide the MLP's {cfg.intermediate_size} columns"
+    unsupported = {
+        "--target cuda": args.target == "cuda",
+        "--interface tvm": args.interface == "tvm",
+        "--prefix-cache": args.prefix_cache,
+        "--export-lib / --model-lib": bool(args.export_lib or args.model_lib),
+    }
+    named = [flag for flag, on in unsupported.items() if on]
+    if named:
+        return (
+            f"--tensor-parallel {n} runs CPU workers (gloo) through tvmkv's interface, compiling here; not with "
+            f"{', '.join(named)}"
+        )
     return None
 
 
@@ -524,6 +634,8 @@ def main(argv=None) -> int:
         Path(args.export_lib).with_suffix(".json").write_text(json.dumps(meta))
         print(f"  wrote {args.export_lib}")
         return 0
+    if args.tensor_parallel > 1:
+        return _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes)
     override = TvmBuiltinOverride(build_dir=args.build_dir, cuda_arch=arch, num_pages=args.num_pages)
     t0 = time.perf_counter()
     with override:  # only needed for interface "tvm"; harmless otherwise
@@ -573,6 +685,79 @@ def main(argv=None) -> int:
             preemption=args.preemption,
             prefix_cache=prefix,
         )
+    return _summary(args, report, reference, prefix, system_prompt)
+
+
+def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes) -> int:
+    """``generate --tensor-parallel N``: the sharded model on N Disco workers beside the single-device one."""
+    import tempfile
+
+    import tvm
+
+    import tvmkv
+    from tvmkv.disco import DiscoKVCache, TvmkvSession
+    from tvmkv.disco.model import DiscoLlama
+    from tvmkv.relax.llama import RelaxLlama, compile_llama
+
+    n = args.tensor_parallel
+    t0 = time.perf_counter()
+    tp_ex, tp_names = compile_llama(cfg, interface="tvmkv", target="llvm", tensor_parallel=n)
+    print(f"  model shard (1 of {n}) compiled in {time.perf_counter() - t0:.1f}s")
+    opts = dict(sizes, dtype=cfg.dtype, rope_mode="normal", rope_scale=cfg.rope_scale, rope_theta=cfg.rope_theta)
+    opts.update(target="llvm", num_pages=args.num_pages, build_dir=args.build_dir)
+    with tempfile.TemporaryDirectory() as tmp, TvmkvSession(n) as session:
+        lib, npz = Path(tmp) / "model_shard.so", Path(tmp) / "weights.npz"
+        tp_ex.export_library(str(lib))
+        np.savez(npz, **weights)
+        t0 = time.perf_counter()
+        session.init_gloo()
+        cache = DiscoKVCache(session, cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts)
+        model = DiscoLlama(session, lib, tp_names, npz, cfg)
+        single_cache = tvmkv.PagedAttentionKVCache(
+            cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts
+        )
+        single = RelaxLlama(ex, names, weights, cfg, tvm.cpu(0))
+        lay = cache.layout
+        print(
+            f"  {n} Disco workers ready in {time.perf_counter() - t0:.1f}s: each {lay.qo_per_shard} query / "
+            f"{lay.kv_per_shard} KV heads (KV memory {lay.kv_memory_factor:g}x the unsharded cache's), "
+            f"{cache.config.total_pages} pages of {cache.config.page_size}"
+        )
+        reference = None
+        if not args.no_check:
+            from tvmkv.relax.torch_ref import TorchLlama
+
+            reference = TorchLlama(cfg, weights)
+        twin = TwinModel(model, single, single_cache)
+
+        def check_integrity():
+            cache.check_integrity()
+            single_cache.check_integrity()
+
+        report = generate(
+            twin,
+            TwinOps(DirectOps(cache), DirectOps(single_cache)),
+            requests,
+            prefill_chunk_size=args.prefill_chunk_size,
+            max_batch_size=args.max_batch_size,
+            total_pages=cache.config.total_pages,
+            reference=reference,
+            tolerance=TOLERANCE[cfg.dtype],
+            fork=fork,
+            check_integrity=check_integrity,
+            preemption=args.preemption,
+        )
+    tol = TOLERANCE[cfg.dtype]
+    print(f"tensor parallel: {n} workers, max |logit difference| from the single-device run {twin.max_diff:.2e}")
+    status = _summary(args, report, reference, None, 0)
+    if not twin.max_diff <= tol:
+        print(f"check FAILED: the sharded model's logits differ from the single-device run by {twin.max_diff:.3e}")
+        return 1
+    return status
+
+
+def _summary(args, report, reference, prefix, system_prompt) -> int:
+    """Print what ``generate`` did; the exit status (1 when a check failed)."""
     total_tokens = sum(s.tokens for s in report.steps)
     st = report.stats
     print(

@@ -23,10 +23,12 @@ import os
 import subprocess
 import sys
 import weakref
+from dataclasses import replace
 
 import numpy as np
 
 from .. import errors
+from ..runtime.cache import make_config
 from ..runtime.sharding import ShardLayout
 from . import worker as W
 from .runtime import load
@@ -107,7 +109,31 @@ class TvmkvSession:
         session.__init_handle_by_constructor__(_ffi_api.SessionProcess, num_workers, num_groups, name, ENTRYPOINT)
         self.session = session
         self.num_workers = num_workers
-        self.caches: weakref.WeakSet = weakref.WeakSet()  # DiscoKVCaches of this session (shutdown drops them)
+        # objects holding DRefs of this session (DiscoKVCache, DiscoLlama): shutdown closes them
+        self.holders: weakref.WeakSet = weakref.WeakSet()
+        self.ccl = ""  # the collective backend once set up ("gloo")
+
+    def init_gloo(self, port: int | None = None) -> None:
+        """Set up :mod:`tvmkv.disco.gloo`, the CPU collective backend, on every worker (once per session;
+        ``port``: a free TCP port on this host, default one the OS picks)."""
+        from . import gloo
+
+        if self.pool.num_groups != 1:
+            raise NotImplementedError(
+                f"the gloo backend serves one group of workers; this session has {self.pool.num_groups} groups"
+            )
+        if port is None:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        result = self.call(gloo.INIT, f"tcp://127.0.0.1:{port}")
+        for w in range(self.num_workers):
+            problem = str(self.fetch(result, w))
+            if problem:
+                raise RuntimeError(f"worker {w} could not join the gloo group: {problem}")
+        self.ccl = "gloo"
 
     def check_workers(self) -> None:
         """Raise :class:`WorkerDiedError` when a worker process has exited."""
@@ -126,15 +152,19 @@ class TvmkvSession:
         return dref.debug_get_from_remote(worker)
 
     def shutdown(self) -> None:
-        """Stop the workers; the session's ``DiscoKVCache`` objects are closed with it. Drop other ``DRef``
-        objects of the session (tensors, VM modules) first: Disco ends a session when its last reference
-        goes, and one that outlives this call ends at interpreter exit."""
+        """Stop the workers; the session's ``DiscoKVCache`` and ``DiscoLlama`` objects are closed with it.
+        Drop other ``DRef`` objects of the session (tensors you made) first: Disco ends a session when its
+        last reference goes, and one that outlives this call ends at interpreter exit."""
         if self.session is None:
             return
         import gc
 
-        for cache in list(self.caches):
-            cache.handle = None  # its shards go with the session
+        for holder in list(self.holders):
+            holder.close()  # drops its DRefs: Disco ends the session when the last one goes
+        if self.ccl == "gloo":
+            from . import gloo
+
+            self.fetch(self.call(gloo.FINALIZE))
 
         # Disco's Session caches the DPackedFuncs of its helper methods (empty, ...), each of which holds the
         # session: a cycle through objects the collector does not traverse; drop it
@@ -233,6 +263,14 @@ class DiscoKVCache:
         device_ids = [int(d) for d in device_ids]
         if len(device_ids) != session.num_workers:
             raise ValueError(f"device_ids={device_ids} must name one GPU per worker ({session.num_workers})")
+        if options.get("memory_fraction") is not None:
+            raise NotImplementedError(
+                "memory_fraction on a DiscoKVCache: the workers' free memory may differ; size the pool with num_pages"
+            )
+        # the whole model's configuration, from the shards' (validates the options here, before any worker)
+        own = {k: v for k, v in options.items() if k not in ("kv_scales", "calibrate", "build_dir")}
+        shard = make_config(num_layers, self.layout.qo_per_shard, self.layout.kv_per_shard, head_dim, **own)
+        self.config = replace(shard, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
         if options.get("kv_scales") is not None:
             options["kv_scales"] = np.asarray(options["kv_scales"], np.float32).tolist()
         try:
@@ -247,7 +285,11 @@ class DiscoKVCache:
             raise TypeError(f"cache options must be plain values (numbers, strings, lists, dicts): {err}") from None
         self.handle = session.call(W.CREATE, spec)
         raise_error(session.fetch(session.call(W.ERROR)))
-        session.caches.add(self)
+        session.holders.add(self)
+
+    def close(self) -> None:
+        """Drop the shards (:meth:`TvmkvSession.shutdown` does this); the cache cannot be used after."""
+        self.handle = None
 
     # ------------------------------------------------------------------ calls
     def calls(self, calls) -> None:
@@ -326,6 +368,15 @@ class DiscoKVCache:
 
     def is_swapped(self, seq_id) -> bool:
         return self._query("is_swapped", seq_id)
+
+    def swapped_sequence_ids(self) -> list:
+        return self._query("swapped_sequence_ids")
+
+    def num_pages_released_by(self, seq_ids) -> int:
+        return self._query("num_pages_released_by", seq_ids)
+
+    def require_no_forward(self, what: str) -> None:
+        self._query("require_no_forward", what)
 
     def digests(self) -> list:
         """Every worker's :meth:`~tvmkv.PagedAttentionKVCache.table_digest`, in worker order."""

@@ -55,7 +55,10 @@ QUERIES = frozenset(
         "total_sequence_length",
         "is_empty",
         "num_pages_needed",
+        "num_pages_released_by",
         "is_swapped",
+        "swapped_sequence_ids",
+        "require_no_forward",
     }
 )
 
@@ -163,6 +166,7 @@ def register() -> None:
     import tvm_ffi
 
     from ..relax.builtins import register as register_relax
+    from . import gloo, model
 
     funcs: dict[str, Callable] = {
         CREATE: _create,
@@ -175,6 +179,8 @@ def register() -> None:
     for name, func in funcs.items():
         tvm_ffi.register_global_func(name, func, override=True)
     register_relax()
+    gloo.register()
+    model.register()
 
 
 def main(argv=None) -> None:

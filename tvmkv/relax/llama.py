@@ -23,7 +23,7 @@ import numpy as np
 
 from .llama_config import INTERFACES, LlamaConfig
 
-__all__ = ["INTERFACES", "LlamaConfig", "RelaxLlama", "compile_llama", "make_weights"]
+__all__ = ["INTERFACES", "LlamaConfig", "RelaxLlama", "compile_llama", "make_weights", "shard_weights"]
 
 
 def make_weights(cfg: LlamaConfig) -> dict[str, np.ndarray]:
@@ -55,6 +55,35 @@ def make_weights(cfg: LlamaConfig) -> dict[str, np.ndarray]:
     return w
 
 
+def shard_weights(weights: dict, cfg: LlamaConfig, shards: int, shard: int) -> dict:
+    """Shard ``shard`` of ``shards`` of :func:`make_weights`'s weights, for the model compiled with
+    ``tensor_parallel=shards``: the QKV projection's rows of its heads (:meth:`ShardLayout.qkv_rows`:
+    its query heads, then its KV heads' k and v, a KV head repeated where it is replicated), the output
+    projection's columns of its query heads, the MLP's ``intermediate_size / shards`` gate, up and down
+    columns; the rest whole."""
+    from ..runtime.sharding import ShardLayout
+
+    lay = ShardLayout(cfg.num_qo_heads, cfg.num_kv_heads, shards)
+    D, I = cfg.head_dim, cfg.intermediate_size  # noqa: E741
+    if I % shards:
+        raise ValueError(f"intermediate_size={I} does not split over {shards} shards")
+    rows = (lay.qkv_rows(shard)[:, None] * D + np.arange(D)).reshape(-1)
+    q_cols = slice(lay.qo_heads(shard).start * D, lay.qo_heads(shard).stop * D)
+    i0, i1 = shard * I // shards, (shard + 1) * I // shards
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            w = w[rows]
+        elif name.endswith("self_attn.o_proj.weight"):
+            w = w[:, q_cols]
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            w = np.concatenate([w[i0:i1], w[I + i0 : I + i1]])
+        elif name.endswith("mlp.down_proj.weight"):
+            w = w[:, i0:i1]
+        out[name] = np.ascontiguousarray(w)
+    return out
+
+
 # ---------------------------------------------------------------------------- compile + run
 def target_of(target_kind: str, cuda_arch: str | None = None):
     """``tvm.target.Target`` for "llvm" (generic CPU: a portable model library) or "cuda" (arch default:
@@ -70,18 +99,27 @@ def target_of(target_kind: str, cuda_arch: str | None = None):
     raise ValueError(f"target={target_kind!r} must be 'llvm' or 'cuda'")
 
 
-def compile_llama(cfg: LlamaConfig, *, interface: str = "tvmkv", target: str = "llvm", cuda_arch: str | None = None):
+def compile_llama(
+    cfg: LlamaConfig,
+    *,
+    interface: str = "tvmkv",
+    target: str = "llvm",
+    cuda_arch: str | None = None,
+    tensor_parallel: int = 1,
+):
     """Export and compile the model; returns ``(executable, param_names)``.
 
     ``param_names`` lists the weights in the order the compiled ``forward`` takes them (keys of
     :func:`make_weights`). For "cuda" the Relax default GPU pipeline (DLight schedules) is used.
+    ``tensor_parallel`` > 1 compiles one shard of the model (:class:`~tvmkv.relax.llama_nn.TinyLlama`),
+    which runs on every worker of a Disco session.
     """
     import tvm
 
     from .llama_nn import TinyLlama, export_spec
 
     spec = export_spec(interface)
-    model = TinyLlama(cfg, target_kind=target)
+    model = TinyLlama(cfg, target_kind=target, tensor_parallel=tensor_parallel)
     mod, named_params = model.export_tvm(spec=spec)
     tgt = target_of(target, cuda_arch)
     pipeline = cuda_pipeline(tgt) if target == "cuda" else "default"

@@ -29,40 +29,56 @@ class Linear(nn.Linear):
         return y if self.model_dtype == "float32" else y.astype(self.model_dtype)
 
 
+def _all_reduce(y: nn.Tensor, shards: int) -> nn.Tensor:
+    """The sum over the tensor-parallel shards of their partial ``y`` (``R.ccl.allreduce``; none for 1)."""
+    return y if shards == 1 else op.ccl_allreduce(y, "sum")
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int):
-        self.cfg = cfg
-        self.layer_id = layer_id
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.qkv_heads * cfg.head_dim, cfg.dtype)
-        self.o_proj = Linear(cfg.num_qo_heads * cfg.head_dim, cfg.hidden_size, cfg.dtype)
+    """GQA attention through the cache. With ``shards`` > 1 this is one shard's part
+    (:class:`tvmkv.ShardLayout`: its query heads and the KV heads they read, the output projection's
+    matching columns), the partial outputs summed over the shards."""
+
+    def __init__(self, cfg: LlamaConfig, layer_id: int, shards: int = 1):
+        from ..runtime.sharding import ShardLayout
+
+        lay = ShardLayout(cfg.num_qo_heads, cfg.num_kv_heads, shards)
+        self.cfg, self.layer_id, self.shards = cfg, layer_id, shards
+        self.num_qo_heads, self.qkv_heads = lay.qo_per_shard, lay.qo_per_shard + 2 * lay.kv_per_shard
+        self.qkv_proj = Linear(cfg.hidden_size, self.qkv_heads * cfg.head_dim, cfg.dtype)
+        self.o_proj = Linear(self.num_qo_heads * cfg.head_dim, cfg.hidden_size, cfg.dtype)
 
     def forward(self, x: nn.Tensor, paged_kv_cache) -> nn.Tensor:
         cfg = self.cfg
         b, s, _ = x.shape
-        qkv = op.reshape(self.qkv_proj(x), (b, s, cfg.qkv_heads, cfg.head_dim))  # [b, s, H_qo + 2 H_kv, D]
-        o = paged_kv_cache.attention_with_fused_qkv(self.layer_id, qkv, cfg.num_qo_heads, cfg.sm_scale)
-        return self.o_proj(op.reshape(o, (b, s, cfg.num_qo_heads * cfg.head_dim)))
+        qkv = op.reshape(self.qkv_proj(x), (b, s, self.qkv_heads, cfg.head_dim))  # [b, s, H_qo + 2 H_kv, D]
+        o = paged_kv_cache.attention_with_fused_qkv(self.layer_id, qkv, self.num_qo_heads, cfg.sm_scale)
+        return _all_reduce(self.o_proj(op.reshape(o, (b, s, self.num_qo_heads * cfg.head_dim))), self.shards)
 
 
 class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused (Llama's MLP; DeepSeek-V2's dense layers)."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused (Llama's MLP; DeepSeek-V2's dense layers).
+    With ``shards`` > 1, one shard's ``intermediate_size / shards`` columns, the outputs summed."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str):
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype)
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str, shards: int = 1):
+        if intermediate_size % shards:
+            raise ValueError(f"intermediate_size={intermediate_size} does not split over {shards} shards")
+        self.shards = shards
+        self.gate_up_proj = Linear(hidden_size, 2 * (intermediate_size // shards), dtype)
+        self.down_proj = Linear(intermediate_size // shards, hidden_size, dtype)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        return _all_reduce(self.down_proj(op.silu(gate) * up), self.shards)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, shards: int = 1):
         eps = cfg.rms_norm_eps
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, shards)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, shards)
 
     def forward(self, x: nn.Tensor, paged_kv_cache) -> nn.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), paged_kv_cache)
@@ -74,13 +90,18 @@ class TinyLlama(nn.Module):
 
     ``n`` is the number of new tokens of the cache's open forward, in ``begin_forward`` order (a
     prefill chunk, a batch of one-token decodes, or a mix).
+
+    ``tensor_parallel`` > 1: one shard of the model (attention heads and MLP columns split, the two
+    projections of each layer summed over the shards with ``R.ccl.allreduce``; embedding, norms and LM
+    head whole on every shard), run on every worker of a Disco session (:mod:`tvmkv.disco.model`)
+    with that worker's cache shard; the weights are :func:`tvmkv.relax.llama.shard_weights`.
     """
 
-    def __init__(self, cfg: LlamaConfig, *, target_kind: str = "llvm"):
+    def __init__(self, cfg: LlamaConfig, *, target_kind: str = "llvm", tensor_parallel: int = 1):
         self.cfg = cfg
         self.target_kind = target_kind
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, tensor_parallel) for i in range(cfg.num_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, out_dtype="float32")
 

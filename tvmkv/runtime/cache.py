@@ -174,39 +174,11 @@ class PagedAttentionKVCache:
         qk_rope_head_dim=0,
         mla_self_dims=None,
     ):
-        kind, arch = parse_target(target)
-        if memory_fraction is not None:
-            if num_pages is not None:
-                raise ValueError("pass num_pages or memory_fraction, not both")
-            if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
-                raise TypeError(f"memory_fraction={memory_fraction!r} must be a float in (0, 1]")
-            if not 0 < memory_fraction <= 1:
-                raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
-            probe = CacheConfig(
-                num_layers,
-                num_qo_heads,
-                num_kv_heads,
-                head_dim,
-                page_size=page_size,
-                dtype=dtype,
-                kv_dtype=kv_dtype,
-                kv_lora_rank=kv_lora_rank,
-                qk_rope_head_dim=qk_rope_head_dim,
-            )
-            budget = int(available_bytes(_device(kind, device_id)) * memory_fraction)
-            num_pages = budget // (probe.page_bytes * num_layers)
-            need = -(-max_total_seq_len // page_size)
-            if num_pages < need:
-                raise ValueError(
-                    f"memory_fraction={memory_fraction} of the device's free memory ({budget} bytes) gives "
-                    f"{num_pages} pages, fewer than the {need} one sequence of max_total_seq_len="
-                    f"{max_total_seq_len} needs; raise memory_fraction or lower max_total_seq_len"
-                )
-        config = CacheConfig(
-            num_layers=num_layers,
-            num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+        config = make_config(
+            num_layers,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
             page_size=page_size,
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
@@ -214,22 +186,22 @@ class PagedAttentionKVCache:
             dtype=dtype,
             kv_dtype=kv_dtype,
             rope_mode=rope_mode,
-            rope_scale=float(rope_scale),
-            rope_theta=float(rope_theta),
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rotary_dim=rotary_dim,
-            support_sliding_window=bool(support_sliding_window),
-            target_kind=kind,
-            cuda_arch=arch,
+            support_sliding_window=support_sliding_window,
+            target=target,
             device_id=device_id,
             num_pages=num_pages,
+            memory_fraction=memory_fraction,
             decode_splits=decode_splits,
             stable_decode_splits=stable_decode_splits,
             device_planning=device_planning,
-            layer_windows=_windows(layer_windows, num_layers),
+            layer_windows=layer_windows,
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
-            mla_self_dims=tuple(mla_self_dims or ()),
+            mla_self_dims=mla_self_dims,
         )
         self._setup(config, build_dir)
         if kv_scales is not None:
@@ -1688,6 +1660,100 @@ def _check_memory(cfg: CacheConfig, device) -> None:
 def _local_option(cfg: CacheConfig) -> dict:
     """``load_kernels``'s option for the per-layer-window kernels (only when a layer has a window)."""
     return {"local": True} if cfg.has_local_layers else {}
+
+
+def make_config(
+    num_layers,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    *,
+    page_size=16,
+    max_batch_size=32,
+    max_total_seq_len=2048,
+    prefill_chunk_size=512,
+    dtype="float16",
+    kv_dtype="",
+    rope_mode="none",
+    rope_scale=1.0,
+    rope_theta=1e4,
+    rope_scaling=None,
+    rotary_dim=None,
+    support_sliding_window=False,
+    target="llvm",
+    device_id=0,
+    num_pages=None,
+    memory_fraction=None,
+    decode_splits=None,
+    stable_decode_splits=False,
+    device_planning=True,
+    layer_windows=None,
+    kv_lora_rank=0,
+    qk_rope_head_dim=0,
+    mla_self_dims=None,
+) -> CacheConfig:
+    """The :class:`~tvmkv.CacheConfig` that ``PagedAttentionKVCache(num_layers, ..., **options)`` builds from
+    its keyword options (all but ``kv_scales``, ``calibrate`` and ``build_dir``, which are not
+    configuration); nothing is allocated and no kernel is loaded. ``memory_fraction`` reads the
+    device's free memory to size the pool."""
+    kind, arch = parse_target(target)
+    if memory_fraction is not None:
+        if num_pages is not None:
+            raise ValueError("pass num_pages or memory_fraction, not both")
+        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
+            raise TypeError(f"memory_fraction={memory_fraction!r} must be a float in (0, 1]")
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
+        probe = CacheConfig(
+            num_layers,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size=page_size,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+        )
+        budget = int(available_bytes(_device(kind, device_id)) * memory_fraction)
+        num_pages = budget // (probe.page_bytes * num_layers)
+        need = -(-max_total_seq_len // page_size)
+        if num_pages < need:
+            raise ValueError(
+                f"memory_fraction={memory_fraction} of the device's free memory ({budget} bytes) gives "
+                f"{num_pages} pages, fewer than the {need} one sequence of max_total_seq_len="
+                f"{max_total_seq_len} needs; raise memory_fraction or lower max_total_seq_len"
+            )
+    config = CacheConfig(
+        num_layers=num_layers,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_batch_size=max_batch_size,
+        max_total_seq_len=max_total_seq_len,
+        prefill_chunk_size=prefill_chunk_size,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        rope_mode=rope_mode,
+        rope_scale=float(rope_scale),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        rotary_dim=rotary_dim,
+        support_sliding_window=bool(support_sliding_window),
+        target_kind=kind,
+        cuda_arch=arch,
+        device_id=device_id,
+        num_pages=num_pages,
+        decode_splits=decode_splits,
+        stable_decode_splits=stable_decode_splits,
+        device_planning=device_planning,
+        layer_windows=_windows(layer_windows, num_layers),
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        mla_self_dims=tuple(mla_self_dims or ()),
+    )
+    return config
 
 
 def _windows(layer_windows, num_layers) -> tuple:

@@ -1,0 +1,126 @@
+"""The tiny Llama sharded over a Disco session: each worker runs the model compiled with
+``tensor_parallel=N`` (:func:`tvmkv.relax.llama.compile_llama`) on its weight shard
+(:func:`tvmkv.relax.llama.shard_weights`) and its cache shard (:class:`~tvmkv.disco.DiscoKVCache`).
+
+``DiscoLlama.forward(token_ids, cache)`` has the signature of :class:`tvmkv.relax.llama.RelaxLlama`'s:
+the token ids go to every worker as bytes, each worker's VM runs ``forward`` (the two all-reduces per
+layer inside), and the logits come back from worker 0.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+
+LOAD = "tvmkv.disco.load_llama_shard"
+TENSOR = "tvmkv.disco.tensor_from_bytes"
+LENGTH = "tvmkv.disco.length"
+
+
+def _device(device_type: str, device_ids: str):
+    import tvm
+    from tvm_ffi import get_global_func
+
+    if device_type == "cpu":
+        return tvm.cpu(0)
+    rank = int(get_global_func("runtime.disco.worker_rank")())
+    return tvm.cuda(json.loads(device_ids)[rank])
+
+
+def _load_shard(weights_path: str, config: str, names: str, device_type: str, device_ids: str):
+    """``load_llama_shard(...)``: this worker's weights, in ``names`` order, on its device (a list of
+    tensors), from the full ``.npz`` of :func:`tvmkv.relax.llama.make_weights` (empty on failure)."""
+    try:
+        import tvm
+        from tvm_ffi import get_global_func
+
+        from ..relax.llama import shard_weights
+        from ..relax.llama_config import LlamaConfig
+
+        cfg = LlamaConfig(**json.loads(config))
+        rank, world = (int(get_global_func(f"runtime.disco.{f}")()) for f in ("worker_rank", "world_size"))
+        with np.load(weights_path) as npz:
+            full = {k: npz[k] for k in npz.files}
+        mine = shard_weights(full, cfg, world, rank)
+        dev = _device(device_type, device_ids)
+        return [tvm.runtime.tensor(mine[n].astype(cfg.dtype), dev) for n in json.loads(names)]
+    except Exception:  # noqa: BLE001  (a raise would kill the worker)
+        return []
+
+
+def _tensor(data: bytes, shape, dtype: str, device_type: str, device_ids: str):
+    """``tensor_from_bytes(...)``: a tensor of ``shape`` and ``dtype`` holding ``data`` on this worker's device."""
+    import tvm
+
+    host = np.frombuffer(data, dtype=dtype).reshape(tuple(shape))
+    return tvm.runtime.tensor(host, _device(device_type, device_ids))
+
+
+def register() -> None:
+    import tvm_ffi
+
+    tvm_ffi.register_global_func(LOAD, _load_shard, override=True)
+    tvm_ffi.register_global_func(TENSOR, _tensor, override=True)
+    tvm_ffi.register_global_func(LENGTH, lambda x: len(x), override=True)
+
+
+class DiscoLlama:
+    """The sharded tiny Llama on every worker of ``session``.
+
+    Parameters
+    ----------
+    session : tvmkv.disco.TvmkvSession
+        With a collective backend set up (:meth:`~tvmkv.disco.TvmkvSession.init_gloo` on the CPU).
+    library : path
+        The model compiled with ``tensor_parallel=session.num_workers`` and exported (``export_library``).
+    param_names : list of str
+        From :func:`~tvmkv.relax.llama.compile_llama`.
+    weights_path : path
+        ``.npz`` of the whole model's weights (:func:`~tvmkv.relax.llama.make_weights`); each worker
+        reads it and keeps its shard.
+    cfg : LlamaConfig
+    target : str
+        "llvm" (CPU workers) or "cuda" (``device_ids``: each worker's GPU).
+    """
+
+    def __init__(self, session, library, param_names, weights_path, cfg, *, target="llvm", device_ids=None):
+        import tvm_ffi
+
+        self.session, self.cfg = session, cfg
+        self._where = (
+            "cpu" if target == "llvm" else "cuda",
+            json.dumps(list(device_ids or range(session.num_workers))),
+        )
+        self.module = session.session.load_vm_module(str(library))
+        self.params = session.call(
+            LOAD, str(weights_path), json.dumps(asdict(cfg)), json.dumps(list(param_names)), *self._where
+        )
+        lengths = session.call(LENGTH, self.params)
+        counts = {int(session.fetch(lengths, w)) for w in range(session.num_workers)}
+        if counts != {len(param_names)}:
+            raise RuntimeError(
+                f"a worker could not load its weights from {weights_path}: check that the file exists and holds "
+                f"make_weights(cfg)'s {len(param_names)} arrays for this configuration"
+            )
+        self._forward = self.module["forward"]
+        self._shape = tvm_ffi.Shape
+        session.holders.add(self)
+
+    def close(self) -> None:
+        """Drop the workers' module and weights (:meth:`TvmkvSession.shutdown` does this)."""
+        self.module = self.params = self._forward = None
+
+    def forward(self, token_ids, cache) -> np.ndarray:
+        """Logits ``[n, V]`` float32 of the ``n`` new tokens of ``cache``'s open forward (worker 0's)."""
+        import tvm
+
+        ids = np.ascontiguousarray(np.asarray(token_ids, np.int32).reshape(1, -1))
+        ids_ref = self.session.call(TENSOR, ids.tobytes(), self._shape(ids.shape), "int32", *self._where)
+        self.session.check_workers()
+        logits = self._forward(ids_ref, cache.handle, self.params)
+        host = tvm.runtime.empty((1, ids.shape[1], self.cfg.vocab_size), "float32", tvm.cpu(0))
+        self.session.session.copy_from_worker_0(host, logits)
+        self.session.session.sync_worker_0()
+        return host.numpy()[0]
