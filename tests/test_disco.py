@@ -4,6 +4,8 @@ Relax global, and everything is checked against the unsharded NumPy model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -198,3 +200,66 @@ def test_generate_refuses_what_it_cannot_shard(argv, words, capsys):
 
     assert main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_nccl_plugin_support_headers_stand_in_for_the_missing_ones(tmp_path):
+    """The wheel's runtime headers include tvm/support/io.h and serializer.h, which it does not ship:
+    tvmkv's stand-ins (tvmkv/disco/nccl_support) must make them compile, as the plugin build needs."""
+    import shutil
+    import subprocess
+
+    from tvmkv.disco import nccl
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    tvm_inc = nccl._package_dir("tvm") / "include"
+    ffi_inc = nccl._package_dir("tvm_ffi") / "include"
+    src = tmp_path / "t.cc"
+    src.write_text(
+        "#include <tvm/runtime/disco/builtin.h>\n#include <tvm/runtime/disco/session.h>\n"
+        "#include <tvm/runtime/tensor.h>\nint main() { return 0; }\n"
+    )
+    base = ["g++", "-std=c++17", "-fsyntax-only", f"-I{tvm_inc}", f"-I{ffi_inc}", str(src)]
+    without = subprocess.run(base, capture_output=True, text=True)
+    assert without.returncode != 0 and "tvm/support/io.h" in without.stderr  # what the stand-ins are for
+    support = Path(nccl.__file__).parent / "nccl_support"
+    done = subprocess.run([*base, f"-I{support}"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_nccl_plugin_builds_where_nccl_is_given(tmp_path):
+    """The whole plugin (TVM's own nccl.cc from the wheel) builds and registers runtime.disco.nccl.*, where
+    $TVMKV_NCCL_ROOT names NCCL (nvidia-nccl-cu13's nvidia/nccl) and CUDA's headers are installed."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.environ.get("TVMKV_NCCL_ROOT")
+    if not root:
+        pytest.skip("TVMKV_NCCL_ROOT is not set")
+    from tvmkv.disco import nccl
+
+    lib = nccl.build_plugin(tmp_path, root)
+    probe = (
+        "import ctypes, sys, tvm_ffi\nfrom tvmkv.disco.runtime import load\nload()\n"
+        f"ctypes.CDLL({str(Path(root) / 'lib' / 'libnccl.so.2')!r}, mode=ctypes.RTLD_GLOBAL)\n"
+        f"ctypes.CDLL({str(lib)!r}, mode=ctypes.RTLD_GLOBAL)\n"
+        "names = [n for n in tvm_ffi.registry.list_global_func_names() if n.startswith('runtime.disco.nccl.')]\n"
+        "print(sorted(names))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "runtime.disco.nccl.allreduce" in out.stdout and "runtime.disco.nccl.init_ccl" in out.stdout
+
+
+def test_nccl_setup_errors_name_the_fix(tmp_path, capsys):
+    from tvmkv.disco import nccl
+    from tvmkv.generate import main
+
+    with pytest.raises(FileNotFoundError, match="python -m tvmkv.disco.nccl OUT_DIR NCCL_ROOT"):
+        nccl.load(tmp_path / "missing.so")
+    with disco.TvmkvSession(1) as s:
+        with pytest.raises(RuntimeError, match="nccl_plugin="):
+            s.init_nccl()
+    assert main(["--tensor-parallel", "2", "--target", "cuda", "--nccl-plugin", str(tmp_path / "x.so")]) == 2
+    assert "needs Disco's NCCL backend" in capsys.readouterr().err

@@ -416,6 +416,13 @@ def _parser() -> argparse.ArgumentParser:
         help="shard the model over N Disco workers (one cache shard each), checked against the single-device "
         "run and PyTorch",
     )
+    p.add_argument(
+        "--nccl-plugin",
+        default=None,
+        metavar="PATH",
+        help="--tensor-parallel on cuda: Disco's NCCL backend (python -m tvmkv.disco.nccl builds it; default "
+        "$TVMKV_DISCO_NCCL)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the PyTorch reference check")
     p.add_argument("--build-dir", default=None, help=f"tvmkv's {BUILD_DIR_HELP}; here: {default_build_dir()}")
     p.add_argument(
@@ -529,19 +536,35 @@ def _check_tensor_parallel(args, cfg) -> str | None:
         return f"--tensor-parallel {n}: {err}"
     if cfg.intermediate_size % n:
         return f"--tensor-parallel {n} does not divide the MLP's {cfg.intermediate_size} columns"
-    unsupported = {
-        "--target cuda": args.target == "cuda",
-        "--interface tvm": args.interface == "tvm",
-        "--prefix-cache": args.prefix_cache,
-        "--export-lib / --model-lib": bool(args.export_lib or args.model_lib),
-    }
+    unsupported = {"--interface tvm": args.interface == "tvm", "--prefix-cache": args.prefix_cache}
     named = [flag for flag, on in unsupported.items() if on]
     if named:
+        return f"--tensor-parallel {n} drives the shards through tvmkv's interface; not with {', '.join(named)}"
+    if args.target == "cuda" and not args.export_lib:
+        plugin = _nccl_plugin(args)
+        if not plugin or not Path(plugin).is_file():
+            return (
+                f"--tensor-parallel {n} --target cuda needs Disco's NCCL backend: build it with python -m "
+                "tvmkv.disco.nccl OUT_DIR NCCL_ROOT and pass --nccl-plugin OUT_DIR/libtvm_disco_nccl.so"
+            )
+    if args.model_lib and not _shard_lib(args.model_lib, n).is_file():
         return (
-            f"--tensor-parallel {n} runs CPU workers (gloo) through tvmkv's interface, compiling here; not with "
-            f"{', '.join(named)}"
+            f"--model-lib {args.model_lib}: no {_shard_lib(args.model_lib, n).name} beside it; export both with "
+            f"--export-lib {args.model_lib} --tensor-parallel {n}"
         )
     return None
+
+
+def _nccl_plugin(args) -> str | None:
+    import os
+
+    return args.nccl_plugin or os.environ.get("TVMKV_DISCO_NCCL")
+
+
+def _shard_lib(path, n: int) -> Path:
+    """Where ``--export-lib PATH --tensor-parallel n`` writes the model shard: ``PATH``'s stem + ``.tp<n>.so``."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.tp{n}.so")
 
 
 def _check_model_lib(path: Path, want: dict) -> str | None:
@@ -633,9 +656,22 @@ def main(argv=None) -> int:
         meta = {"param_names": names, "model": _model_key(cfg, args.interface, args.target)}
         Path(args.export_lib).with_suffix(".json").write_text(json.dumps(meta))
         print(f"  wrote {args.export_lib}")
+        if args.tensor_parallel > 1:
+            n, shard_lib = args.tensor_parallel, _shard_lib(args.export_lib, args.tensor_parallel)
+            tp_ex, tp_names = compile_llama(
+                cfg, interface="tvmkv", target=args.target, cuda_arch=arch, tensor_parallel=n
+            )
+            tp_ex.export_library(str(shard_lib))
+            meta = {
+                "param_names": tp_names,
+                "model": _model_key(cfg, args.interface, args.target),
+                "tensor_parallel": n,
+            }
+            shard_lib.with_suffix(".json").write_text(json.dumps(meta))
+            print(f"  wrote {shard_lib} (one of {n} shards)")
         return 0
     if args.tensor_parallel > 1:
-        return _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes)
+        return _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes, arch)
     override = TvmBuiltinOverride(build_dir=args.build_dir, cuda_arch=arch, num_pages=args.num_pages)
     t0 = time.perf_counter()
     with override:  # only needed for interface "tvm"; harmless otherwise
@@ -688,8 +724,9 @@ def main(argv=None) -> int:
     return _summary(args, report, reference, prefix, system_prompt)
 
 
-def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes) -> int:
-    """``generate --tensor-parallel N``: the sharded model on N Disco workers beside the single-device one."""
+def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes, arch) -> int:
+    """``generate --tensor-parallel N``: the sharded model on N Disco workers beside the single-device one
+    (CPU workers all-reduce through gloo, GPU workers through Disco's NCCL backend)."""
     import tempfile
 
     import tvm
@@ -697,26 +734,38 @@ def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes) 
     import tvmkv
     from tvmkv.disco import DiscoKVCache, TvmkvSession
     from tvmkv.disco.model import DiscoLlama
+    from tvmkv.relax.builtins import cuda_target
     from tvmkv.relax.llama import RelaxLlama, compile_llama
 
-    n = args.tensor_parallel
+    n, cuda = args.tensor_parallel, args.target == "cuda"
     t0 = time.perf_counter()
-    tp_ex, tp_names = compile_llama(cfg, interface="tvmkv", target="llvm", tensor_parallel=n)
-    print(f"  model shard (1 of {n}) compiled in {time.perf_counter() - t0:.1f}s")
     opts = dict(sizes, dtype=cfg.dtype, rope_mode="normal", rope_scale=cfg.rope_scale, rope_theta=cfg.rope_theta)
-    opts.update(target="llvm", num_pages=args.num_pages, build_dir=args.build_dir)
-    with tempfile.TemporaryDirectory() as tmp, TvmkvSession(n) as session:
-        lib, npz = Path(tmp) / "model_shard.so", Path(tmp) / "weights.npz"
-        tp_ex.export_library(str(lib))
+    opts.update(target=cuda_target(arch) if cuda else "llvm", num_pages=args.num_pages, build_dir=args.build_dir)
+    plugin = _nccl_plugin(args) if cuda else None
+    with tempfile.TemporaryDirectory() as tmp, TvmkvSession(n, nccl_plugin=plugin) as session:
+        npz = Path(tmp) / "weights.npz"
         np.savez(npz, **weights)
+        if args.model_lib:
+            lib = _shard_lib(args.model_lib, n)
+            tp_names = json.loads(lib.with_suffix(".json").read_text())["param_names"]
+        else:
+            tp_ex, tp_names = compile_llama(
+                cfg, interface="tvmkv", target=args.target, cuda_arch=arch, tensor_parallel=n
+            )
+            lib = Path(tmp) / "model_shard.so"
+            tp_ex.export_library(str(lib))
+            print(f"  model shard (1 of {n}) compiled in {time.perf_counter() - t0:.1f}s")
         t0 = time.perf_counter()
-        session.init_gloo()
+        if cuda:
+            session.init_nccl()
+        else:
+            session.init_gloo()
         cache = DiscoKVCache(session, cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts)
-        model = DiscoLlama(session, lib, tp_names, npz, cfg)
+        model = DiscoLlama(session, lib, tp_names, npz, cfg, target=args.target)
         single_cache = tvmkv.PagedAttentionKVCache(
             cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts
         )
-        single = RelaxLlama(ex, names, weights, cfg, tvm.cpu(0))
+        single = RelaxLlama(ex, names, weights, cfg, tvm.cuda(0) if cuda else tvm.cpu(0))
         lay = cache.layout
         print(
             f"  {n} Disco workers ready in {time.perf_counter() - t0:.1f}s: each {lay.qo_per_shard} query / "

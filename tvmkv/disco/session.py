@@ -30,6 +30,7 @@ import numpy as np
 from .. import errors
 from ..runtime.cache import make_config
 from ..runtime.sharding import ShardLayout
+from ..target import parse_target
 from . import worker as W
 from .runtime import load
 
@@ -92,12 +93,17 @@ class TvmkvSession:
     :meth:`shutdown` (or leaving the ``with``) stops the workers.
     """
 
-    def __init__(self, num_workers: int, *, num_groups: int = 1):
+    def __init__(self, num_workers: int, *, num_groups: int = 1, nccl_plugin=None):
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r} must be a positive int")
         if not isinstance(num_groups, int) or num_groups < 1 or num_workers % num_groups:
             raise ValueError(f"num_groups={num_groups!r} must be a positive int dividing num_workers={num_workers}")
         disco = load()
+        if nccl_plugin is not None:  # before the workers start: they load it from $TVMKV_DISCO_NCCL
+            from . import nccl
+
+            nccl.load(nccl_plugin)
+        self.nccl = nccl_plugin is not None
         W.register()  # worker 0 is a thread of this process
         from tvm.runtime.disco import _ffi_api
         from tvm_ffi import register_global_func
@@ -112,6 +118,18 @@ class TvmkvSession:
         # objects holding DRefs of this session (DiscoKVCache, DiscoLlama): shutdown closes them
         self.holders: weakref.WeakSet = weakref.WeakSet()
         self.ccl = ""  # the collective backend once set up ("gloo")
+
+    def init_nccl(self, device_ids=None) -> None:
+        """Create the NCCL communicators (the session was started with ``nccl_plugin``): worker ``i`` on
+        ``cuda:device_ids[i]`` (default ``i``), which also becomes its default device."""
+        if not self.nccl:
+            raise RuntimeError("init_nccl: start the TvmkvSession with nccl_plugin=<libtvm_disco_nccl.so>")
+        ids = list(range(self.num_workers)) if device_ids is None else [int(d) for d in device_ids]
+        if len(ids) != self.num_workers:
+            raise ValueError(f"device_ids={ids} must name one GPU per worker ({self.num_workers})")
+        self.check_workers()
+        self.session.init_ccl("nccl", *ids)
+        self.ccl = "nccl"
 
     def init_gloo(self, port: int | None = None) -> None:
         """Set up :mod:`tvmkv.disco.gloo`, the CPU collective backend, on every worker (once per session;
@@ -172,6 +190,10 @@ class TvmkvSession:
         if isinstance(cached, dict):
             cached.clear()
         gc.collect()  # DRefs held only by reference cycles (tracebacks) keep the session alive
+        # worker 0 is a thread of this process that frees the registers of dropped DRefs, Python objects
+        # among them (the cache shards), which takes the GIL; Disco's destructor joins that thread while
+        # this thread holds the GIL, so let it finish its queue first (else the two wait on each other)
+        self.session.sync_worker_0()
         self.session = None  # Disco's destructor tells the workers to stop and joins worker 0
         try:
             for proc in self.pool.procs.values():
@@ -273,6 +295,9 @@ class DiscoKVCache:
         self.config = replace(shard, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
         if options.get("kv_scales") is not None:
             options["kv_scales"] = np.asarray(options["kv_scales"], np.float32).tolist()
+        if not isinstance(options.get("target", "llvm"), str):  # a Target: its kind and arch, as a dict
+            kind, arch = parse_target(options["target"])
+            options["target"] = {"kind": kind, **({"arch": arch} if arch else {})}
         try:
             spec = json.dumps(
                 {

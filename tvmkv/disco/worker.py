@@ -99,7 +99,7 @@ def _create(spec: str):
         options = dict(s["options"])
         if options.get("kv_scales") is not None:
             options["kv_scales"] = layout.shard_kv_scales(np.asarray(options["kv_scales"], np.float32), rank)
-        if options.get("target", "llvm") != "llvm":
+        if options.get("target", "llvm") not in ("llvm", "cpu"):
             options["device_id"] = s["device_ids"][rank]
         return PagedAttentionKVCache(layers, layout.qo_per_shard, layout.kv_per_shard, head_dim, **options)
     except Exception as err:  # noqa: BLE001  (a raise here would kill the worker)
@@ -191,6 +191,10 @@ def main(argv=None) -> None:
     from .runtime import load
 
     load()
+    from . import nccl
+
+    if os.environ.get(nccl.ENV):
+        nccl.load()  # the controller started with an NCCL plugin: runtime.disco.nccl.* here too
     register()
     for name in filter(None, os.environ.get("TVMKV_DISCO_IMPORTS", "").split(",")):
         __import__(name)  # e.g. a collective backend's module
