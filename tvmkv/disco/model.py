@@ -114,13 +114,10 @@ class DiscoLlama:
 
     def forward(self, token_ids, cache) -> np.ndarray:
         """Logits ``[n, V]`` float32 of the ``n`` new tokens of ``cache``'s open forward (worker 0's)."""
-        import tvm
-
         ids = np.ascontiguousarray(np.asarray(token_ids, np.int32).reshape(1, -1))
         ids_ref = self.session.call(TENSOR, ids.tobytes(), self._shape(ids.shape), "int32", *self._where)
         self.session.check_workers()
         logits = self._forward(ids_ref, cache.handle, self.params)
-        host = tvm.runtime.empty((1, ids.shape[1], self.cfg.vocab_size), "float32", tvm.cpu(0))
-        self.session.session.copy_from_worker_0(host, logits)
-        self.session.session.sync_worker_0()
-        return host.numpy()[0]
+        # worker 0 is a thread of this process: its register holds the logits tensor itself, on its device
+        # (Disco's copy_from_worker_0 staged 32 MB of logits at a few GB/s, 20-30 ms a step at batch 256)
+        return self.session.fetch(logits, 0).numpy()[0]
