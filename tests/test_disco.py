@@ -212,8 +212,8 @@ def test_nccl_plugin_support_headers_stand_in_for_the_missing_ones(tmp_path):
 
     if shutil.which("g++") is None:
         pytest.skip("no g++")
-    tvm_inc = nccl._package_dir("tvm") / "include"
-    ffi_inc = nccl._package_dir("tvm_ffi") / "include"
+    tvm_inc = nccl.package_dir("tvm") / "include"
+    ffi_inc = nccl.package_dir("tvm_ffi") / "include"
     src = tmp_path / "t.cc"
     src.write_text(
         "#include <tvm/runtime/disco/builtin.h>\n#include <tvm/runtime/disco/session.h>\n"
@@ -263,3 +263,46 @@ def test_nccl_setup_errors_name_the_fix(tmp_path, capsys):
             s.init_nccl()
     assert main(["--tensor-parallel", "2", "--target", "cuda", "--nccl-plugin", str(tmp_path / "x.so")]) == 2
     assert "needs Disco's NCCL backend" in capsys.readouterr().err
+
+
+def test_a_shard_refused_by_one_worker_fails_the_cache(session):
+    """Worker 1's KV head has a bad fp8 scale: worker 0's shard is fine, the cache still refuses (every
+    worker's creation is checked)."""
+    kw = dict(dtype="float16", kv_dtype="float8_e4m3fn", kv_scales=[[1.0, -1.0], [1.0, 1.0]])
+    with pytest.raises(ValueError, match="positive"):
+        _cache(session, **kw)
+    with pytest.raises(ValueError, match=r"device_ids=\[0, -1\] must name one GPU per worker"):
+        _cache(session, device_ids=[0, -1])
+
+
+def test_disco_arguments_and_reads_match_the_local_cache(session):
+    import tvmkv.testing
+
+    cache, local = _cache(session, num_pages=8, max_total_seq_len=128), tvmkv.testing.make_cache(num_pages=8)
+    for c in (cache, local):
+        c.add_sequence(np.int64(0))  # NumPy and 0-d ids are ids
+        c.add_sequence(np.array(1))
+        c.begin_forward(np.array([0, 1]), (n for n in [5, 3]))
+        c.end_forward()
+    assert cache.sequence_ids() == local.sequence_ids() == [0, 1]
+    for bad in (True, 1.5, "0"):
+        with pytest.raises(TypeError):
+            cache.pop_n(bad, 1)
+        with pytest.raises(TypeError):
+            local.pop_n(bad, 1)
+    k, v = cache.debug_get_kv(0, 2, 2)  # an empty range, as the cache gives it
+    assert k.shape == v.shape == (2, 0, 2, 64)
+    with pytest.raises(ValueError, match=r"range \[0, 9\) is outside sequence 0 of length 5"):
+        cache.debug_get_kv(0, 0, 9)
+    with pytest.raises(ValueError, match="outside"):
+        cache.debug_get_kv(0, 0, -1)
+    cache.begin_forward([1], [cache.num_available_pages() * 16 + 13])  # every free page taken
+    cache.end_forward()
+    with pytest.raises(tvmkv.OutOfPagesError, match="fork of sequence 0 at 3") as err:
+        cache.fork_sequence(0, 2, 3)  # inside a page: its copy needs one more
+    assert (err.value.needed, err.value.available) == (1, 0) and err.value.what.startswith("fork")
+    with pytest.raises(TypeError, match="is not a \\(method, args\\)"):
+        cache.calls([("add_sequence",)])
+    with pytest.raises(TypeError, match="must be a list of"):
+        cache.calls("clear")
+    cache.check_integrity()

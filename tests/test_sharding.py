@@ -276,9 +276,13 @@ def test_fp8_scales_are_cut_per_shard():
     cache.set_kv_scales(1, [3.0, 4.0], 0.5)
     np.testing.assert_array_equal(cache.kv_scales(1), [[3.0, 4.0], [0.5, 0.5]])
     np.testing.assert_array_equal(cache.shards[3].kv_scales(1), [[4.0], [0.5]])
-    with pytest.raises(ValueError, match="must end in num_kv_heads=2"):
+    with pytest.raises(ValueError, match=r"k_scale of shape \(3,\) must be one float or \[2\]"):
         cache.set_kv_scales(0, [1.0, 2.0, 3.0], 1.0)
+    # a bad scale of a later shard's head: refused before shard 0 takes its part, the head named globally
+    with pytest.raises(ValueError, match=r"k_scale\[1\]=-1.0 must be a positive finite float"):
+        cache.set_kv_scales(0, [2.0, -1.0], 1.0)
     np.testing.assert_array_equal(cache.kv_scales(0), scales)
+    cache.check_integrity()
 
 
 def test_out_must_match_qkv_and_stay_apart_from_it():
@@ -295,3 +299,61 @@ def test_out_must_match_qkv_and_stay_apart_from_it():
     cache.attention_with_fused_qkv(1, qkv)
     cache.end_forward()
     cache.check_integrity()
+
+
+def test_a_refused_output_leaves_the_shards_alike():
+    """out problems are found before any shard appends (a read-only NumPy out, a tvm out of the wrong
+    shape), so every shard's K/V stays the unsharded cache's."""
+    import tvm
+
+    cache, full = make_sharded_cache(2), make_cache()
+    for c in (cache, full):
+        c.add_sequence(0)
+        c.begin_forward([0], [3])
+    qkv = np.random.default_rng(0).uniform(-1, 1, (3, 12, 64)).astype(np.float32)
+    ro = np.zeros((3, 8, 64), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        cache.attention_with_fused_qkv(0, qkv, out=ro)
+    with pytest.raises(ValueError, match="must be a tvm tensor of shape"):
+        cache.attention_with_fused_qkv(
+            0, tvm.runtime.tensor(qkv), out=tvm.runtime.tensor(np.zeros((3, 4, 64), np.float32))
+        )
+    for layer in range(2):
+        np.testing.assert_array_equal(
+            cache.attention_with_fused_qkv(layer, qkv), full.attention_with_fused_qkv(layer, qkv)
+        )
+    for c in (cache, full):
+        c.end_forward()
+    np.testing.assert_array_equal(cache.debug_get_kv(0)[0], full.debug_get_kv(0)[0])
+    cache.check_integrity()
+
+
+def test_memory_fraction_sizes_every_shard_alike():
+    cache = make_sharded_cache(2, memory_fraction=0.002, max_total_seq_len=64)
+    pages = {s.config.total_pages for s in cache.shards}
+    assert len(pages) == 1 and pages.pop() >= 4
+    cache.check_integrity()
+
+
+def test_scheduler_runs_on_shards():
+    """The preempting scheduler drives a ShardedKVCache as it drives one cache: the same plans as over
+    an unsharded cache, step after step, with swaps when pages run out."""
+    from tvmkv import Scheduler
+
+    kw = dict(num_pages=6, max_total_seq_len=96)
+    plans = []
+    for cache in (make_sharded_cache(2, **kw), make_cache(**kw)):
+        sched, steps = Scheduler(cache, token_budget=32), []
+        for sid, n in ((0, 40), (1, 30), (2, 20)):
+            sched.add_request(sid, n)
+        while sched.has_unfinished() and len(steps) < 40:
+            plan = sched.schedule()
+            cache.begin_forward(plan.seq_ids, plan.lengths)
+            cache.end_forward()
+            done = [p.seq_id for p in plan.parts if p.samples and cache.sequence_length(p.seq_id) >= 72]
+            sched.step_done(plan, finished=done)
+            steps.append((tuple(plan.seq_ids), tuple(plan.lengths), tuple(sorted(cache.swapped_sequence_ids()))))
+            cache.check_integrity()
+        plans.append((steps, sched.stats.preempted_swap, sched.stats.swapped_in))
+    assert plans[0] == plans[1] and plans[0][1] > 0 and plans[0][2] > 0  # identical, with swaps out and in

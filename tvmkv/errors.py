@@ -18,11 +18,14 @@ class OutOfPagesError(TvmkvError, RuntimeError):
         Pages the operation needs.
     available : int
         Pages free when it was attempted.
+    what : str
+        The operation ("this forward", "fork of sequence 3 at 40", ...).
     """
 
     def __init__(self, needed: int, available: int, what: str = "this forward"):
         self.needed = needed
         self.available = available
+        self.what = what
         super().__init__(
             f"{what} needs {needed} free pages but only {available} are free; "
             "remove, pop or preempt a sequence and retry, or build the cache with more pages"

@@ -178,7 +178,8 @@ class TwinModel:
     def forward(self, token_ids, cache):
         logits = self.model.forward(token_ids, cache)
         single = self.twin.forward(token_ids, self.twin_cache)
-        self.max_diff = max(self.max_diff, float(np.abs(logits - single).max()))
+        diff = float(np.abs(logits - single).max())
+        self.max_diff = max(self.max_diff, diff if np.isfinite(diff) else float("inf"))  # NaN fails the check
         return logits
 
 
@@ -497,6 +498,8 @@ def _check_options(args) -> str | None:
         problem = _check_tensor_parallel(args, cfg)
         if problem is not None:
             return problem
+    elif args.nccl_plugin:
+        return "--nccl-plugin applies to --tensor-parallel N (N > 1) only"
     requests = default_requests(cfg.vocab_size, args.seed, _system_prompt(args))
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     need = -(-longest // args.page_size)
@@ -547,11 +550,16 @@ def _check_tensor_parallel(args, cfg) -> str | None:
                 f"--tensor-parallel {n} --target cuda needs Disco's NCCL backend: build it with python -m "
                 "tvmkv.disco.nccl OUT_DIR NCCL_ROOT and pass --nccl-plugin OUT_DIR/libtvm_disco_nccl.so"
             )
-    if args.model_lib and not _shard_lib(args.model_lib, n).is_file():
-        return (
-            f"--model-lib {args.model_lib}: no {_shard_lib(args.model_lib, n).name} beside it; export both with "
-            f"--export-lib {args.model_lib} --tensor-parallel {n}"
-        )
+    if args.model_lib:
+        lib = _shard_lib(args.model_lib, n)
+        if not lib.is_file():
+            return (
+                f"--model-lib {args.model_lib}: no {lib.name} beside it; export both with --export-lib "
+                f"{args.model_lib} --tensor-parallel {n}"
+            )
+        problem = _check_model_lib(lib, {**_model_key(cfg, "tvmkv", args.target), "tensor_parallel": n})
+        if problem is not None:
+            return problem
     return None
 
 
@@ -662,11 +670,7 @@ def main(argv=None) -> int:
                 cfg, interface="tvmkv", target=args.target, cuda_arch=arch, tensor_parallel=n
             )
             tp_ex.export_library(str(shard_lib))
-            meta = {
-                "param_names": tp_names,
-                "model": _model_key(cfg, args.interface, args.target),
-                "tensor_parallel": n,
-            }
+            meta = {"param_names": tp_names, "model": {**_model_key(cfg, "tvmkv", args.target), "tensor_parallel": n}}
             shard_lib.with_suffix(".json").write_text(json.dumps(meta))
             print(f"  wrote {shard_lib} (one of {n} shards)")
         return 0

@@ -60,9 +60,12 @@ def allreduce(send, kind: int, in_group: bool, recv) -> None:
     out = _torch(recv)  # in_group: the session has one group (TvmkvSession.init_gloo checks), the world
     out.copy_(_torch(send))
     name = _KINDS[int(kind)]
-    if name == "AVG":  # gloo has no AVG: sum, then divide
+    if name == "AVG":  # gloo has no AVG: sum, then divide (integers rounded down, as an integer mean)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        out.div_(dist.get_world_size())
+        if out.is_floating_point():
+            out.div_(dist.get_world_size())
+        else:
+            out.floor_divide_(dist.get_world_size())
     else:
         dist.all_reduce(out, op=getattr(dist.ReduceOp, name))
 

@@ -31,7 +31,7 @@ def _device(device_type: str, device_ids: str):
 
 def _load_shard(weights_path: str, config: str, names: str, device_type: str, device_ids: str):
     """``load_llama_shard(...)``: this worker's weights, in ``names`` order, on its device (a list of
-    tensors), from the full ``.npz`` of :func:`tvmkv.relax.llama.make_weights` (empty on failure)."""
+    tensors), from the full ``.npz`` of :func:`tvmkv.relax.llama.make_weights` (the error text on failure)."""
     try:
         import tvm
         from tvm_ffi import get_global_func
@@ -46,8 +46,8 @@ def _load_shard(weights_path: str, config: str, names: str, device_type: str, de
         mine = shard_weights(full, cfg, world, rank)
         dev = _device(device_type, device_ids)
         return [tvm.runtime.tensor(mine[n].astype(cfg.dtype), dev) for n in json.loads(names)]
-    except Exception:  # noqa: BLE001  (a raise would kill the worker)
-        return []
+    except Exception as err:  # noqa: BLE001  (a raise would kill the worker)
+        return f"{type(err).__name__}: {err}"  # LENGTH reports -1; the controller fetches this text
 
 
 def _tensor(data: bytes, shape, dtype: str, device_type: str, device_ids: str):
@@ -63,7 +63,7 @@ def register() -> None:
 
     tvm_ffi.register_global_func(LOAD, _load_shard, override=True)
     tvm_ffi.register_global_func(TENSOR, _tensor, override=True)
-    tvm_ffi.register_global_func(LENGTH, lambda x: len(x), override=True)
+    tvm_ffi.register_global_func(LENGTH, lambda x: -1 if isinstance(x, str) else len(x), override=True)
 
 
 class DiscoLlama:
@@ -89,21 +89,21 @@ class DiscoLlama:
         import tvm_ffi
 
         self.session, self.cfg = session, cfg
-        self._where = (
-            "cpu" if target == "llvm" else "cuda",
-            json.dumps(list(device_ids or range(session.num_workers))),
-        )
+        if target not in ("llvm", "cpu", "cuda"):
+            raise ValueError(f"target={target!r} must be 'llvm' (CPU workers) or 'cuda'")
+        ids = list(range(session.num_workers)) if device_ids is None else list(device_ids)
+        self._where = ("cpu" if target in ("llvm", "cpu") else "cuda", json.dumps(ids))
         self.module = session.session.load_vm_module(str(library))
         self.params = session.call(
             LOAD, str(weights_path), json.dumps(asdict(cfg)), json.dumps(list(param_names)), *self._where
         )
         lengths = session.call(LENGTH, self.params)
-        counts = {int(session.fetch(lengths, w)) for w in range(session.num_workers)}
-        if counts != {len(param_names)}:
-            raise RuntimeError(
-                f"a worker could not load its weights from {weights_path}: check that the file exists and holds "
-                f"make_weights(cfg)'s {len(param_names)} arrays for this configuration"
-            )
+        for w in range(session.num_workers):
+            if int(session.fetch(lengths, w)) != len(param_names):
+                why = session.fetch(self.params, w)  # the worker's error text
+                raise RuntimeError(
+                    f"worker {w} could not load its {len(param_names)} weights from {weights_path}: {why}"
+                )
         self._forward = self.module["forward"]
         self._shape = tvm_ffi.Shape
         session.holders.add(self)
@@ -114,6 +114,8 @@ class DiscoLlama:
 
     def forward(self, token_ids, cache) -> np.ndarray:
         """Logits ``[n, V]`` float32 of the ``n`` new tokens of ``cache``'s open forward (worker 0's)."""
+        if self._forward is None:
+            raise RuntimeError("this DiscoLlama is closed (its session was shut down)")
         ids = np.ascontiguousarray(np.asarray(token_ids, np.int32).reshape(1, -1))
         ids_ref = self.session.call(TENSOR, ids.tobytes(), self._shape(ids.shape), "int32", *self._where)
         self.session.check_workers()

@@ -30,7 +30,8 @@ ENV = "TVMKV_DISCO_NCCL"  # the plugin's path, for worker processes
 _SUPPORT = Path(__file__).parent / "nccl_support"
 
 
-def _package_dir(name: str) -> Path:
+def package_dir(name: str) -> Path:
+    """The folder of the installed package ``name`` (ImportError when it is not installed)."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(f"{name} is not installed")
@@ -42,7 +43,7 @@ def build_plugin(out_dir, nccl_root, *, cuda_home=None) -> Path:
 
     ``nccl_root`` holds ``include/nccl.h`` and ``lib/libnccl.so.2`` (``pip download --no-deps
     nvidia-nccl-cu13==2.28.9``, unzipped: its ``nvidia/nccl``)."""
-    tvm_dir, ffi_dir = _package_dir("tvm"), _package_dir("tvm_ffi")
+    tvm_dir, ffi_dir = package_dir("tvm"), package_dir("tvm_ffi")
     src = tvm_dir / "src" / "runtime" / "extra" / "disco"
     nccl_root, cuda = Path(nccl_root), Path(cuda_home or os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     for need in (src / "nccl" / "nccl.cc", nccl_root / "include" / "nccl.h", cuda / "include" / "cuda_runtime.h"):
@@ -93,7 +94,7 @@ def build_plugin(out_dir, nccl_root, *, cuda_home=None) -> Path:
 def nccl_library() -> Path | None:
     """``libnccl.so.2`` of the ``nvidia-nccl`` package installed with torch, if any."""
     try:
-        root = _package_dir("nvidia")
+        root = package_dir("nvidia")
     except ImportError:
         return None
     lib = root / "nccl" / "lib" / "libnccl.so.2"

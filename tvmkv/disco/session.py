@@ -17,6 +17,7 @@ any of them: the cache's calls are atomic). A worker that accepted what worker 0
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -96,7 +97,12 @@ class TvmkvSession:
     def __init__(self, num_workers: int, *, num_groups: int = 1, nccl_plugin=None):
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r} must be a positive int")
-        if not isinstance(num_groups, int) or num_groups < 1 or num_workers % num_groups:
+        if (
+            not isinstance(num_groups, int)
+            or isinstance(num_groups, bool)
+            or num_groups < 1
+            or num_workers % num_groups
+        ):
             raise ValueError(f"num_groups={num_groups!r} must be a positive int dividing num_workers={num_workers}")
         disco = load()
         if nccl_plugin is not None:  # before the workers start: they load it from $TVMKV_DISCO_NCCL
@@ -108,13 +114,16 @@ class TvmkvSession:
         from tvm.runtime.disco import _ffi_api
         from tvm_ffi import register_global_func
 
-        self.pool = _Pool(num_workers, num_groups)
-        name = f"tvmkv.disco.process_pool.{next(_pool_ids)}"
-        register_global_func(name, lambda n, g, entry: self.pool, override=True)
+        self.pool = pool = _Pool(num_workers, num_groups)
+        name = self._pool_name = f"tvmkv.disco.process_pool.{next(_pool_ids)}"
+        register_global_func(name, lambda n, g, entry: pool, override=True)
         session = disco.ProcessSession.__new__(disco.ProcessSession)
         session.__init_handle_by_constructor__(_ffi_api.SessionProcess, num_workers, num_groups, name, ENTRYPOINT)
         self.session = session
         self.num_workers = num_workers
+        # a session still open at interpreter exit would end in Disco's destructor during finalization,
+        # which aborts: shut it down first (a weak reference, so this keeps nothing alive)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         # objects holding DRefs of this session (DiscoKVCache, DiscoLlama): shutdown closes them
         self.holders: weakref.WeakSet = weakref.WeakSet()
         self.ccl = ""  # the collective backend once set up ("gloo")
@@ -165,9 +174,20 @@ class TvmkvSession:
         return self.session.get_global_func(name)(*args)
 
     def fetch(self, dref, worker: int = 0):
-        """The value ``dref`` holds on ``worker`` (waits for it)."""
+        """The value ``dref`` holds on ``worker`` (waits for it); a worker that died meanwhile raises
+        :class:`WorkerDiedError`."""
         self.check_workers()
-        return dref.debug_get_from_remote(worker)
+        try:
+            return dref.debug_get_from_remote(worker)
+        except Exception:
+            import time
+
+            for _ in range(50):  # its pipe closed as it exited: let the exit show
+                if any(p.poll() is not None for p in self.pool.procs.values()):
+                    break
+                time.sleep(0.01)
+            self.pool.check()
+            raise
 
     def shutdown(self) -> None:
         """Stop the workers; the session's ``DiscoKVCache`` and ``DiscoLlama`` objects are closed with it.
@@ -182,7 +202,10 @@ class TvmkvSession:
         if self.ccl == "gloo":
             from . import gloo
 
-            self.fetch(self.call(gloo.FINALIZE))
+            try:
+                self.fetch(self.call(gloo.FINALIZE))
+            except WorkerDiedError:
+                pass  # a dead worker's group goes with it; stop the others below
 
         # Disco's Session caches the DPackedFuncs of its helper methods (empty, ...), each of which holds the
         # session: a cycle through objects the collector does not traverse; drop it
@@ -195,12 +218,14 @@ class TvmkvSession:
         # this thread holds the GIL, so let it finish its queue first (else the two wait on each other)
         self.session.sync_worker_0()
         self.session = None  # Disco's destructor tells the workers to stop and joins worker 0
+        import tvm_ffi
+
+        tvm_ffi.remove_global_func(self._pool_name)
+        # the held pipe ends stay open until this process exits: a session that outlives this call (a DRef
+        # still held) may still write its shutdown message to a dead worker's pipe at exit
         try:
             for proc in self.pool.procs.values():
                 proc.wait(timeout=30)
-            for fd in self.pool.held:
-                os.close(fd)
-            self.pool.held.clear()
         except subprocess.TimeoutExpired:
             import warnings
 
@@ -216,6 +241,12 @@ class TvmkvSession:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _shutdown_at_exit(ref) -> None:
+    session = ref()
+    if session is not None:
+        session.shutdown()
 
 
 _ERROR_TYPES = {
@@ -242,7 +273,7 @@ def raise_error(text: str, worker: int = 0) -> None:
     kind, message = e["type"], e["message"]
     err: Exception
     if kind == "OutOfPagesError":
-        err = errors.OutOfPagesError(e["needed"], e["available"])
+        err = errors.OutOfPagesError(e["needed"], e["available"], e.get("what", "this forward"))
     elif kind == "SequenceSwappedError":
         err = errors.SequenceSwappedError(e["seq_id"])
     elif kind in _ERROR_TYPES:
@@ -282,9 +313,13 @@ class DiscoKVCache:
         self.layout = ShardLayout(num_qo_heads, num_kv_heads, session.num_workers)
         if device_ids is None:
             device_ids = list(range(session.num_workers))
-        device_ids = [int(d) for d in device_ids]
-        if len(device_ids) != session.num_workers:
-            raise ValueError(f"device_ids={device_ids} must name one GPU per worker ({session.num_workers})")
+        device_ids = list(device_ids)
+        if len(device_ids) != session.num_workers or any(
+            not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in device_ids
+        ):
+            raise ValueError(
+                f"device_ids={device_ids} must name one GPU per worker ({session.num_workers} ints >= 0, cuda:N)"
+            )
         if options.get("memory_fraction") is not None:
             raise NotImplementedError(
                 "memory_fraction on a DiscoKVCache: the workers' free memory may differ; size the pool with num_pages"
@@ -295,9 +330,9 @@ class DiscoKVCache:
         self.config = replace(shard, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
         if options.get("kv_scales") is not None:
             options["kv_scales"] = np.asarray(options["kv_scales"], np.float32).tolist()
-        if not isinstance(options.get("target", "llvm"), str):  # a Target: its kind and arch, as a dict
-            kind, arch = parse_target(options["target"])
-            options["target"] = {"kind": kind, **({"arch": arch} if arch else {})}
+        kind, arch = parse_target(options.get("target", "llvm"))
+        options["target"] = {"kind": kind, **({"arch": arch} if arch else {})}  # JSON, whatever form was given
+        options = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
         try:
             spec = json.dumps(
                 {
@@ -309,19 +344,30 @@ class DiscoKVCache:
         except TypeError as err:
             raise TypeError(f"cache options must be plain values (numbers, strings, lists, dicts): {err}") from None
         self.handle = session.call(W.CREATE, spec)
-        raise_error(session.fetch(session.call(W.ERROR)))
+        problems = session.call(W.ERROR)
+        for w in range(session.num_workers):  # a shard that failed on any worker fails the whole cache
+            raise_error(str(session.fetch(problems, w)), w)
         session.holders.add(self)
 
     def close(self) -> None:
         """Drop the shards (:meth:`TvmkvSession.shutdown` does this); the cache cannot be used after."""
         self.handle = None
 
+    def _handle(self):
+        if self.handle is None:
+            raise RuntimeError("this DiscoKVCache is closed (its session was shut down); create a new one")
+        return self.handle
+
     # ------------------------------------------------------------------ calls
     def calls(self, calls) -> None:
         """Issue ``calls`` (``(method, args)`` or ``(method, args, kwargs)``) to every shard in one Disco call;
         the first that worker 0 refuses is raised (the calls before it ran, on every shard)."""
         packed = []
+        if isinstance(calls, (str, bytes)) or not hasattr(calls, "__iter__"):
+            raise TypeError(f"calls={calls!r} must be a list of (method, args) or (method, args, kwargs) tuples")
         for c in calls:
+            if not isinstance(c, (list, tuple)) or len(c) not in (2, 3) or not isinstance(c[1], (list, tuple)):
+                raise TypeError(f"{c!r} is not a (method, args) or (method, args, kwargs) tuple, args a tuple")
             method, args, kwargs = (c[0], c[1], c[2] if len(c) > 2 else {})
             if method not in W.METHODS:
                 raise ValueError(f"{method!r} is not a sequence operation; one of {sorted(W.METHODS)}")
@@ -330,7 +376,7 @@ class DiscoKVCache:
             text = json.dumps(packed)
         except TypeError as err:
             raise TypeError(f"arguments must be ints, lists of ints or None: {err}") from None
-        raise_error(self.session.fetch(self.session.call(W.APPLY, self.handle, text)))
+        raise_error(self.session.fetch(self.session.call(W.APPLY, self._handle(), text)))
 
     def add_sequence(self, seq_id) -> None:
         self.calls([("add_sequence", (seq_id,))])
@@ -367,7 +413,7 @@ class DiscoKVCache:
 
     # ------------------------------------------------------------------ reads (worker 0 answers)
     def _query(self, method: str, *args):
-        text = str(self.session.fetch(self.session.call(W.QUERY, self.handle, method, json.dumps(_plain(args)))))
+        text = str(self.session.fetch(self.session.call(W.QUERY, self._handle(), method, json.dumps(_plain(args)))))
         answer = json.loads(text)
         if "value" not in answer:
             raise_error(text)
@@ -405,7 +451,7 @@ class DiscoKVCache:
 
     def digests(self) -> list:
         """Every worker's :meth:`~tvmkv.PagedAttentionKVCache.table_digest`, in worker order."""
-        d = self.session.call(W.DIGEST, self.handle)
+        d = self.session.call(W.DIGEST, self._handle())
         return [str(self.session.fetch(d, w)) for w in range(self.session.num_workers)]
 
     def check_integrity(self) -> None:
@@ -420,31 +466,42 @@ class DiscoKVCache:
                 raise errors.ShardDivergenceError(w, "its page tables digest differently from worker 0's")
 
     def debug_get_kv(self, seq_id, start_pos=0, end_pos=None):
-        """K and V of every KV head of the model, float32 NumPy ``[num_layers, n, H_kv, D]`` each, gathered
-        from the workers (a replicated head from the first worker holding it)."""
-        if end_pos is None:
-            end_pos = -1
-        ref = self.session.call(W.GET_KV, self.handle, int(seq_id), int(start_pos), int(end_pos))
+        """K and V of tokens ``[start_pos, end_pos)`` of ``seq_id``, every KV head of the model, float32
+        NumPy ``[num_layers, n, H_kv, D]`` each, gathered from the workers (a replicated head from the first
+        worker holding it); the range is checked as the cache checks it."""
+        from ..runtime.sequences import check_id
+
+        seq_id = check_id(seq_id)
+        length = self.sequence_length(seq_id)  # raises for an unknown or swapped-out sequence
+        end = length if end_pos is None else end_pos
+        for name, v in (("start_pos", start_pos), ("end_pos", end)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise TypeError(f"{name}={v!r} must be an int")
+        if not 0 <= start_pos <= end <= length:
+            raise ValueError(f"debug_get_kv range [{start_pos}, {end}) is outside sequence {seq_id} of length {length}")
+        lay, cfg = self.layout, self.config
+        shape = (cfg.num_layers, int(end - start_pos), lay.num_kv_heads, cfg.head_dim)
+        k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        if end == start_pos:
+            return k, v
+        ref = self.session.call(W.GET_KV, self._handle(), seq_id, int(start_pos), int(end))
         parts = [self.session.fetch(ref, w).numpy() for w in range(self.session.num_workers)]
         if any(p.ndim != 5 for p in parts):
-            raise KeyError(
-                f"debug_get_kv({seq_id}, {start_pos}, {end_pos}) failed on a worker: check the sequence id and range"
-            )
-        lay = self.layout
-        shape = parts[0].shape
-        kv = np.zeros((2, shape[1], shape[2], lay.num_kv_heads, shape[4]), np.float32)
+            raise RuntimeError(f"debug_get_kv({seq_id}, {start_pos}, {end}) failed on a worker")
         for h in range(lay.num_kv_heads):
             w = lay.shard_of_kv_head(h)
-            kv[:, :, :, h] = parts[w][:, :, :, h - lay.kv_heads(w).start]
-        return kv[0], kv[1]
+            k[:, :, h] = parts[w][0][:, :, h - lay.kv_heads(w).start]
+            v[:, :, h] = parts[w][1][:, :, h - lay.kv_heads(w).start]
+        return k, v
 
 
 def _plain(x):
-    """Arguments as JSON-ready Python values (NumPy ints and arrays become ints and lists)."""
+    """Arguments as JSON-ready Python values: NumPy / torch scalars (0-d arrays too) become Python
+    scalars, arrays and other iterables lists; the cache's own checks then judge them."""
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
+    if getattr(x, "ndim", None) == 0 and hasattr(x, "item"):  # np.int64(3), np.array(3), torch.tensor(3)
+        return x.item()
     if isinstance(x, (list, tuple)) or (hasattr(x, "__iter__") and not isinstance(x, (str, bytes))):
         return [_plain(v) for v in x]
-    if isinstance(x, np.integer):
-        return int(x)
     return x

@@ -68,7 +68,7 @@ _creation_errors: dict = {}  # worker rank -> the JSON error of its last failed 
 def encode_error(err: BaseException) -> str:
     """A caught exception as the JSON the controller decodes (:func:`tvmkv.disco.session.raise_error`)."""
     fields = {"type": type(err).__name__, "message": str(err.args[0]) if len(err.args) == 1 else str(err)}
-    for name in ("needed", "available", "seq_id"):  # OutOfPagesError, SequenceSwappedError
+    for name in ("needed", "available", "what", "seq_id"):  # OutOfPagesError, SequenceSwappedError
         if hasattr(err, name):
             fields[name] = getattr(err, name)
     return json.dumps(fields)
@@ -99,7 +99,7 @@ def _create(spec: str):
         options = dict(s["options"])
         if options.get("kv_scales") is not None:
             options["kv_scales"] = layout.shard_kv_scales(np.asarray(options["kv_scales"], np.float32), rank)
-        if options.get("target", "llvm") not in ("llvm", "cpu"):
+        if options["target"]["kind"] == "cuda":  # the controller sends the target as {"kind", "arch"}
             options["device_id"] = s["device_ids"][rank]
         return PagedAttentionKVCache(layers, layout.qo_per_shard, layout.kv_per_shard, head_dim, **options)
     except Exception as err:  # noqa: BLE001  (a raise here would kill the worker)
@@ -155,7 +155,7 @@ def _get_kv(cache, seq_id: int, start: int, end: int):
     import tvm
 
     try:
-        k, v = cache.debug_get_kv(seq_id, start, None if end < 0 else end)
+        k, v = cache.debug_get_kv(seq_id, start, end)
         return tvm.runtime.tensor(np.stack([k, v]).astype(np.float32))
     except Exception:  # noqa: BLE001
         return tvm.runtime.tensor(np.zeros(0, np.float32))

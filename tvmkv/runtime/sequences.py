@@ -379,9 +379,10 @@ class SequenceTable:
             for sid in sorted(table):
                 seq = table[sid]
                 fields = (sid, seq.kv_len, seq.sink_end, seq.window_start, int(seq.dropped), seq.window, seq.sink)
-                sizes = (len(seq.tree_parent), seq.num_pages)
+                sizes = (len(seq.tree_parent), seq.tree_last, seq.num_pages)
                 h.update(tag + np.asarray(fields + sizes + tuple(seq.tree_parent), np.int64).tobytes())
                 h.update(seq.pages.tobytes())
+        h.update(np.asarray(sorted(self.reserved), np.int64).tobytes())  # ids claimed by imports
 
     def check(self) -> list:
         """Problems (strings) of the table: page counts, lengths, windows, trees, stored page lists."""

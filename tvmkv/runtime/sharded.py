@@ -17,12 +17,13 @@ drifted apart, and raises :class:`~tvmkv.errors.ShardDivergenceError`.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 
 from ..errors import IntegrityError, ShardDivergenceError
 from . import tensors
-from .cache import PagedAttentionKVCache
+from .cache import PagedAttentionKVCache, make_config
 from .sharding import ShardLayout
 
 
@@ -53,6 +54,10 @@ class ShardedKVCache:
     def __init__(self, num_layers, num_qo_heads, num_kv_heads, head_dim, *, num_shards, **options):
         self.layout = ShardLayout(num_qo_heads, num_kv_heads, num_shards)
         scales = options.pop("kv_scales", None)
+        if options.get("memory_fraction") is not None:  # sized once: each shard would see what the others took
+            own = {k: v for k, v in options.items() if k not in ("calibrate", "build_dir")}
+            sized = make_config(num_layers, self.layout.qo_per_shard, self.layout.kv_per_shard, head_dim, **own)
+            options = {**options, "memory_fraction": None, "num_pages": sized.num_pages}
         shards = []
         for s in range(num_shards):
             own = {} if scales is None else {"kv_scales": self.layout.shard_kv_scales(scales, s)}
@@ -68,8 +73,6 @@ class ShardedKVCache:
             )
         self.shards = tuple(shards)
         first = self.shards[0].config
-        from dataclasses import replace
-
         # the unsharded configuration (no kernels are built for it; the shards hold theirs)
         self.config = replace(first, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
         self._rows = [self.layout.qkv_rows(s) for s in range(num_shards)]
@@ -126,7 +129,17 @@ class ShardedKVCache:
         self._each("swap_in", seq_ids, **options)
 
     def set_kv_scales(self, layer_id, k_scale, v_scale) -> None:
-        """fp8 pages: ``k_scale`` / ``v_scale`` as for the whole model (one float, or ``[num_kv_heads]``)."""
+        """fp8 pages: ``k_scale`` / ``v_scale`` as for the whole model (one float, or ``[num_kv_heads]``),
+        checked whole before any shard takes its part."""
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            a = np.asarray(x, np.float64) if np.ndim(x) else np.asarray([x], np.float64)
+            if a.ndim != 1 or (np.ndim(x) and a.shape[0] != self.layout.num_kv_heads):
+                raise ValueError(
+                    f"{name} of shape {np.shape(x)} must be one float or [{self.layout.num_kv_heads}] (one per KV head)"
+                )
+            bad = np.flatnonzero(~(np.isfinite(a) & (a > 0)))
+            if bad.size:
+                raise ValueError(f"{name}[{int(bad[0])}]={float(a[bad[0]])!r} must be a positive finite float")
         cuts = []
         for s in range(self.num_shards):
             k = k_scale if np.ndim(k_scale) == 0 else self.layout.shard_kv_scales(k_scale, s)
@@ -181,6 +194,19 @@ class ShardedKVCache:
     def is_swapped(self, seq_id) -> bool:
         return self.shards[0].is_swapped(seq_id)
 
+    def swapped_sequence_ids(self) -> list:
+        return self.shards[0].swapped_sequence_ids()
+
+    def num_pages_released_by(self, seq_ids) -> int:
+        return self.shards[0].num_pages_released_by(seq_ids)
+
+    def require_no_forward(self, what: str) -> None:
+        self.shards[0].require_no_forward(what)
+
+    @property
+    def calibrating(self) -> bool:
+        return any(shard.calibrating for shard in self.shards)
+
     # ------------------------------------------------------------------ attention
     def attention_with_fused_qkv(self, layer_id, qkv, sm_scale=None, out=None):
         """Attention of layer ``layer_id`` for the whole model: each shard appends and attends over its
@@ -190,6 +216,13 @@ class ShardedKVCache:
         if kind == "tvm":  # cut on the host (a tvm tensor has no gather); handed back as a tvm tensor
             import tvm
 
+            if out is not None:
+                want = (qkv.shape[0], self.layout.num_qo_heads, qkv.shape[2])
+                if tensors.array_kind(out) != "tvm" or tuple(out.shape) != want or out.dtype != qkv.dtype:
+                    raise ValueError(
+                        f"out ({type(out).__name__} {tuple(getattr(out, 'shape', ()))}) must be a tvm tensor of "
+                        f"shape {list(want)} and dtype {qkv.dtype}, like qkv"
+                    )
             o = self.attention_with_fused_qkv(layer_id, qkv.numpy(), sm_scale)
             if out is None:
                 return tvm.runtime.tensor(o, qkv.device)
@@ -208,12 +241,18 @@ class ShardedKVCache:
                 out = qkv.new_empty((n, self.layout.num_qo_heads, qkv.shape[2]))
         else:
             self._check_out(qkv, out, kind, (n, self.layout.num_qo_heads, qkv.shape[2]))
+        if any(shard.calibrating for shard in self.shards) and not _all_finite(qkv, kind):
+            raise ValueError(
+                "qkv holds non-finite values while the fp8 scales are being calibrated; nothing was stored"
+            )
+        parts = []
         for s, shard in enumerate(self.shards):
             if kind == "numpy":
                 part = np.ascontiguousarray(qkv[:, self._rows[s]])
             else:
                 part = qkv.index_select(1, self._torch_index(s, qkv.device))
-            o = shard.attention_with_fused_qkv(layer_id, part, sm_scale)
+            parts.append(shard.attention_with_fused_qkv(layer_id, part, sm_scale))
+        for s, o in enumerate(parts):  # written only once every shard has appended its K/V
             out[:, s * hq : (s + 1) * hq] = o
         return out
 
@@ -225,6 +264,10 @@ class ShardedKVCache:
                 f"out ({type(out).__name__} {tuple(out.shape)} {out.dtype}) must be a {kind} array of shape "
                 f"{list(shape)} and dtype {qkv.dtype}, like qkv"
             )
+        if kind == "numpy" and not out.flags.writeable:
+            raise ValueError("out is a read-only NumPy array; pass a writeable one (or out=None)")
+        if kind == "torch" and out.requires_grad:
+            raise ValueError("out requires grad; pass a tensor that does not (or out=None)")
         if kind == "numpy":
             apart = not np.may_share_memory(qkv, out)
         else:
@@ -271,9 +314,16 @@ class ShardedKVCache:
                 raise ShardDivergenceError(s, first_difference(self.shards[0], shard))
 
 
+def _all_finite(x, kind: str) -> bool:
+    if kind == "numpy":
+        return bool(np.isfinite(x).all())
+    return bool(tensors.torch_module().isfinite(x).all())
+
+
 def first_difference(a: PagedAttentionKVCache, b: PagedAttentionKVCache) -> str:
     """A line naming the first difference between the bookkeeping of caches ``a`` and ``b``."""
-    ids_a, ids_b = set(a.sequence_ids()), set(b.sequence_ids())
+    ids_a = set(a.sequence_ids()) | set(a.swapped_sequence_ids())
+    ids_b = set(b.sequence_ids()) | set(b.swapped_sequence_ids())
     if ids_a != ids_b:
         return f"sequence ids differ: {sorted(ids_a ^ ids_b)} held by one shard only"
     for sid in sorted(ids_a):

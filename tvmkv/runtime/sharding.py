@@ -15,9 +15,10 @@ the KV heads those query heads read (GQA: query head ``h`` reads KV head ``h // 
 
 Each shard's cache is an ordinary :class:`~tvmkv.runtime.cache.PagedAttentionKVCache` over
 ``qo_per_shard`` query heads and ``kv_per_shard`` KV heads. Sequence operations are issued to every
-shard alike; page allocation depends only on those operations (the pool hands out the lowest free
-ids, :mod:`.pages`), so the shards' page tables agree without any communication, and
-:meth:`PagedAttentionKVCache.table_digest` tells when they do not.
+shard alike; page allocation depends only on those operations (the pool's free list is a stack, low
+ids first at the start, the last page freed handed out next: :mod:`.pages`), so the shards' page
+tables agree without any communication, and :meth:`PagedAttentionKVCache.table_digest` tells when
+they do not.
 """
 
 from __future__ import annotations
