@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import tvmkv
-from tvmkv.reference.cache_model import CacheModel
-from tvmkv.replay import SCENARIOS
+from tvmkv.replay import SCENARIOS, Replayer
 from tvmkv.testing import cache_kwargs
 
 disco = pytest.importorskip("tvmkv.disco")
@@ -32,64 +31,35 @@ def _cache(session, **options):
     return disco.DiscoKVCache(session, SHAPE["num_layers"], 8, 2, 64, **kw)
 
 
-def _forward(session, cache, model, ids, lengths, rng, parents=None):
-    """One forward on the workers (qkv cut per shard, the worker's own cache passed to the Relax global)
-    and on the model; outputs gathered and compared."""
-    lay, sess = cache.layout, session.session
-    n = sum(lengths)
-    cache.begin_forward(ids, lengths, None if parents is None else [p for ps in parents for p in ps])
-    model.begin(ids, lengths, parents)
-    attention = sess.get_global_func(ATTENTION)
-    for layer in range(SHAPE["num_layers"]):
-        qkv = rng.uniform(-1, 1, (n, 12, 64)).astype(np.float32)
-        part = sess.empty((n, lay.qo_per_shard + 2 * lay.kv_per_shard, 64), "float32")
-        out = sess.empty((n, lay.qo_per_shard, 64), "float32")
-        for w in range(session.num_workers):
+class _OnWorkers:
+    """A DiscoKVCache as :class:`tvmkv.replay.Replayer` drives a cache: its own methods, plus
+    ``attention_with_fused_qkv`` of the whole model run as a model runs it, on every worker through the
+    Relax global with that worker's cache shard (qkv cut per shard, the outputs put side by side)."""
+
+    def __init__(self, session, cache):
+        self._session, self._cache = session, cache
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def attention_with_fused_qkv(self, layer, qkv):
+        lay, sess, n = self._cache.layout, self._session.session, qkv.shape[0]
+        part = sess.empty((n, lay.qo_per_shard + 2 * lay.kv_per_shard, qkv.shape[2]), "float32")
+        out = sess.empty((n, lay.qo_per_shard, qkv.shape[2]), "float32")
+        for w in range(self._session.num_workers):
             part.debug_copy_from(w, np.ascontiguousarray(qkv[:, lay.qkv_rows(w)]))
-        attention(cache.handle, layer, 64**-0.5, part, out)
-        o = np.concatenate([out.debug_get_from_remote(w).numpy() for w in range(session.num_workers)], axis=1)
-        ref, _ = model.attention(layer, qkv)
-        np.testing.assert_allclose(o, ref, atol=1e-4, rtol=1e-4, err_msg=f"layer {layer}, seqs {ids}")
-    cache.end_forward()
-    model.end()
+        sess.get_global_func(ATTENTION)(self._cache.handle, layer, qkv.shape[2] ** -0.5, part, out)
+        return np.concatenate([out.debug_get_from_remote(w).numpy() for w in range(self._session.num_workers)], 1)
 
 
 @pytest.mark.parametrize("scenario", ["tvm_operation_seq", "fork", "tree"])
 def test_scenario_on_disco_workers(session, scenario):
+    """The replay scenarios on the workers against the NumPy model: every layer's output and every
+    sequence's stored K/V after every operation, the workers' page tables compared."""
     cache = _cache(session, rope_mode="normal")
-    model = CacheModel(SHAPE["num_layers"], 8, 2, 64, rope_mode="normal")
-    rng = np.random.default_rng(0)
-    for op in SCENARIOS[scenario]:
-        kind = op[0]
-        if kind == "add":
-            cache.add_sequence(op[1])
-            model.add(op[1])
-        elif kind == "remove":
-            cache.remove_sequence(op[1])
-            model.remove(op[1])
-        elif kind == "fork":
-            cache.fork_sequence(*op[1:])
-            model.fork(*op[1:])
-        elif kind == "pop":
-            cache.pop_n(*op[1:])
-            model.pop(*op[1:])
-        elif kind == "fwd":
-            _forward(session, cache, model, [x[0] for x in op[1]], [x[1] for x in op[1]], rng)
-        elif kind == "tree":
-            parents = [list(x[1]) for x in op[1]]
-            _forward(session, cache, model, [x[0] for x in op[1]], [len(p) for p in parents], rng, parents)
-        elif kind == "commit":
-            ids, leaves = [x[0] for x in op[1]], [x[1] for x in op[1]]
-            cache.commit_accepted_token_tree_nodes(ids, leaves)
-            model.commit(ids, leaves)
-        cache.check_integrity()
-        for sid in cache.sequence_ids():
-            assert cache.sequence_length(sid) == model.length(sid)
-            if model.length(sid):
-                _, k_ref, v_ref = model.kept_kv(sid)
-                k, v = cache.debug_get_kv(sid)
-                np.testing.assert_allclose(k, k_ref, atol=1e-5, rtol=1e-5, err_msg=f"K of {sid} after {op}")
-                np.testing.assert_allclose(v, v_ref, atol=1e-5, rtol=1e-5, err_msg=f"V of {sid} after {op}")
+    r = Replayer(_OnWorkers(session, cache))
+    r.run(SCENARIOS[scenario])
+    r.check_drained()
     assert cache.sequence_ids() == [] and cache.is_empty()  # every scenario ends removing its sequences
     d = cache.digests()
     assert len(d) == 2 and d[0] == d[1]
@@ -97,17 +67,10 @@ def test_scenario_on_disco_workers(session, scenario):
 
 def test_stored_kv_gathered_from_workers(session):
     cache = _cache(session)
-    model = CacheModel(SHAPE["num_layers"], 8, 2, 64)
-    rng = np.random.default_rng(1)
-    for sid in (3, 4):
-        cache.add_sequence(sid)
-        model.add(sid)
-    _forward(session, cache, model, [3, 4], [17, 5], rng)
-    cache.fork_sequence(3, 5, 9)
-    model.fork(3, 5, 9)
-    _forward(session, cache, model, [5, 4], [2, 1], rng)
+    r = Replayer(_OnWorkers(session, cache), seed=1)
+    r.run([["add", 3], ["add", 4], ["fwd", [[3, 17], [4, 5]]], ["fork", 3, 5, 9], ["fwd", [[5, 2], [4, 1]]]])
     for sid in (3, 4, 5):
-        _, k_ref, v_ref = model.kept_kv(sid)
+        _, k_ref, v_ref = r.model.kept_kv(sid)
         k, v = cache.debug_get_kv(sid)
         np.testing.assert_allclose(k, k_ref, atol=1e-6, rtol=1e-6)
         np.testing.assert_allclose(v, v_ref, atol=1e-6, rtol=1e-6)
@@ -133,10 +96,10 @@ def test_worker_errors_are_raised_on_the_controller(session):
     with pytest.raises(KeyError, match="sequence 8"):
         cache.calls([("add_sequence", (1,)), ("remove_sequence", (8,)), ("add_sequence", (2,))])
     cache.check_integrity()
-    model = CacheModel(SHAPE["num_layers"], 8, 2, 64)
-    for sid in (0, 1):
-        model.add(sid)
-    _forward(session, cache, model, [0, 1], [3, 4], np.random.default_rng(2))
+    r = Replayer(_OnWorkers(session, cache), seed=2)
+    for sid in (0, 1):  # added above, still empty
+        r.model.add(sid)
+    r.forward([0, 1], [3, 4], None, None)
     with pytest.raises(ValueError, match="page_size=3"):
         _cache(session, page_size=3)
     with pytest.raises(ValueError, match="does not divide num_kv_heads=3"):

@@ -630,7 +630,6 @@ def main(argv=None) -> int:
 
     import tvmkv
     from tvmkv.relax import TvmBuiltinOverride
-    from tvmkv.relax.builtins import cuda_target
     from tvmkv.relax.llama import LlamaConfig, RelaxLlama, compile_llama, make_weights
     from tvmkv.target import default_cuda_arch
 
@@ -684,20 +683,9 @@ def main(argv=None) -> int:
             cache = model.create_paged_kv_cache(**sizes)
             ops = BuiltinOps(cache)
         else:
-            target = args.target if args.target == "llvm" else cuda_target(arch)
+            opts = _cache_options(args, cfg, sizes, arch)
             cache = tvmkv.PagedAttentionKVCache(
-                cfg.num_layers,
-                cfg.num_qo_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                **sizes,
-                dtype=cfg.dtype,
-                rope_mode="normal",
-                rope_scale=cfg.rope_scale,
-                rope_theta=cfg.rope_theta,
-                target=target,
-                num_pages=args.num_pages,
-                build_dir=args.build_dir,
+                cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts
             )
             ops = DirectOps(cache)
         print(
@@ -728,6 +716,22 @@ def main(argv=None) -> int:
     return _summary(args, report, reference, prefix, system_prompt)
 
 
+def _cache_options(args, cfg, sizes: dict, arch) -> dict:
+    """The cache's keyword options of this run (of the single cache, and of every shard's)."""
+    from tvmkv.relax.builtins import cuda_target
+
+    return dict(
+        sizes,
+        dtype=cfg.dtype,
+        rope_mode="normal",
+        rope_scale=cfg.rope_scale,
+        rope_theta=cfg.rope_theta,
+        target=args.target if args.target == "llvm" else cuda_target(arch),
+        num_pages=args.num_pages,
+        build_dir=args.build_dir,
+    )
+
+
 def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes, arch) -> int:
     """``generate --tensor-parallel N``: the sharded model on N Disco workers beside the single-device one
     (CPU workers all-reduce through gloo, GPU workers through Disco's NCCL backend)."""
@@ -738,13 +742,11 @@ def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes, 
     import tvmkv
     from tvmkv.disco import DiscoKVCache, TvmkvSession
     from tvmkv.disco.model import DiscoLlama
-    from tvmkv.relax.builtins import cuda_target
     from tvmkv.relax.llama import RelaxLlama, compile_llama
 
     n, cuda = args.tensor_parallel, args.target == "cuda"
     t0 = time.perf_counter()
-    opts = dict(sizes, dtype=cfg.dtype, rope_mode="normal", rope_scale=cfg.rope_scale, rope_theta=cfg.rope_theta)
-    opts.update(target=cuda_target(arch) if cuda else "llvm", num_pages=args.num_pages, build_dir=args.build_dir)
+    opts = _cache_options(args, cfg, sizes, arch)
     plugin = _nccl_plugin(args) if cuda else None
     with tempfile.TemporaryDirectory() as tmp, TvmkvSession(n, nccl_plugin=plugin) as session:
         npz = Path(tmp) / "weights.npz"
