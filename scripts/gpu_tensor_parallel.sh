@@ -4,7 +4,8 @@
 # Prepare here (a machine with the full TVM and nvcc):
 #   python -m tvmkv build --target cuda --arch sm_90 --config scripts/gpu_configs.json --build-dir build/tp
 #   python -m tvmkv generate --target cuda --cuda-arch sm_90 --export-lib build/tp/models/tiny.so --tensor-parallel 2
-#   (again with --tensor-parallel 4; and --dtype float16 --export-lib build/tp/models/tiny16.so)
+#   (again with --tensor-parallel 4; and --dtype float16 --export-lib build/tp/models/tiny16.so; and the model
+#   compiled against TVM's PagedKVCache: --interface tvm --export-lib build/tp/models/tinytvm.so, tinytvm16.so)
 #   python -m tvmkv.disco.nccl build/tp NCCL_ROOT    (NCCL_ROOT: nvidia-nccl-cu13 2.28.9's nvidia/nccl)
 # Run there (carry .devpayload and build/tp): scripts/gpu_tensor_parallel.sh [OUT_DIR]
 set -uo pipefail
@@ -32,5 +33,12 @@ run tp2_swap --model-lib build/tp/models/tiny.so --tensor-parallel 2 --num-pages
 if [ "$ngpu" -ge 4 ]; then
   run tp4_fp32 --model-lib build/tp/models/tiny.so --tensor-parallel 4
   run tp4_swap --model-lib build/tp/models/tiny.so --tensor-parallel 4 --num-pages 6 --preemption recompute
+fi
+# TVM's interface: the drop-in on every worker, vm.builtin.kv_state_* through Disco
+run tp2_tvm_fp32 --interface tvm --model-lib build/tp/models/tinytvm.so --tensor-parallel 2 --num-pages 6
+run tp2_tvm_fp16 --interface tvm --dtype float16 --model-lib build/tp/models/tinytvm16.so --tensor-parallel 2
+if [ "$ngpu" -ge 4 ]; then
+  run tp4_tvm_fp32 --interface tvm --model-lib build/tp/models/tinytvm.so --tensor-parallel 4 --num-pages 6 \
+    --preemption recompute
 fi
 exit $status

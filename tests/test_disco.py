@@ -136,6 +136,9 @@ def test_a_dead_worker_is_an_error_not_an_abort():
         # 4 shards over 2 KV heads (each replicated twice), scarce pages: swap preemption and a fork
         ["--tensor-parallel", "4", "--num-pages", "6"],
         ["--tensor-parallel", "2", "--num-pages", "6", "--preemption", "recompute", "--dtype", "float16"],
+        # the model compiled against TVM's PagedKVCache: each worker creates its shard through TVM's create
+        # function (the drop-in on every worker), sequence operations are vm.builtin.kv_state_* through Disco
+        ["--tensor-parallel", "2", "--interface", "tvm", "--num-pages", "6"],
     ],
 )
 def test_generate_on_sharded_model(argv, capsys):
@@ -154,7 +157,7 @@ def test_generate_on_sharded_model(argv, capsys):
     "argv,words",
     [
         (["--tensor-parallel", "3"], "num_shards=3 does not divide num_qo_heads=4"),
-        (["--tensor-parallel", "2", "--interface", "tvm"], "not with --interface tvm"),
+        (["--tensor-parallel", "2", "--prefix-cache"], "does not combine with --prefix-cache"),
         (["--tensor-parallel", "0"], "must be a positive int"),
     ],
 )
@@ -269,3 +272,75 @@ def test_disco_arguments_and_reads_match_the_local_cache(session):
     with pytest.raises(TypeError, match="must be a list of"):
         cache.calls("clear")
     cache.check_integrity()
+
+
+def _create_args(session, partition, heads=(8, 2), num_layers=4):
+    """vm.builtin.paged_attention_kv_cache_create's arguments as TVM's TIRPagedKVCache passes them (a shard's
+    query / KV ``heads``, D 64, float32; the 15 kernel arguments, which tvmkv ignores, as None), ``partition``
+    its layer_indptr; the 0-d tensor on every worker."""
+    from tvm_ffi import Shape
+
+    ref = session.session.empty((), "float32")
+    sizes, kinds = Shape([4, 64, 16, 16, 0]), Shape([0] * num_layers)
+    head = [sizes, Shape(partition), *heads, 64, 64, kinds, False, 1, 1.0, 1e4, 0]
+    return [*head, ref] + [None] * 15
+
+
+def test_dropin_on_every_worker_and_its_errors():
+    """TVM's interface on Disco workers: the create call makes a tvmkv shard on each worker, the controller
+    drives it with vm.builtin.kv_state_* through Disco (as MLC-LLM's engine does); a call that fails on the
+    workers leaves them alive, the cache unchanged, and raises on the controller at the next check."""
+    with disco.TvmkvSession(2) as s:
+        s.install_tvm_override(num_pages=20)
+        # each worker's model (compiled for 2 shards) asks for its shard's 4 query / 1 KV heads
+        handle = s.call("vm.builtin.paged_attention_kv_cache_create", *_create_args(s, [0, 4], (4, 1)))
+        cache = disco.DiscoKVCache.from_handle(s, handle, 8, 2)
+        assert cache.layout.kv_per_shard == 1 and cache.config.num_layers == 4 and cache.config.total_pages == 20
+        add = s.session.get_global_func("vm.builtin.kv_state_add_sequence")
+        add(handle, 5)
+        s.check_errors()
+        assert cache.sequence_ids() == [5]
+        add(handle, 5)  # already there: TVM's cache would end the worker (and worker 0's, this process)
+        with pytest.raises(KeyError, match="vm.builtin.kv_state_add_sequence on worker 0: .*seq_id 5 is already"):
+            s.check_errors()
+        s.check_errors()  # taken: nothing left
+        add(handle, 5)
+        with pytest.raises(KeyError, match=r"already in the cache.*\(an earlier call; the calls now issued did not"):
+            cache.add_sequence(6)  # the next DiscoKVCache call reports it, and does not run
+        assert cache.sequence_ids() == [5]
+        cache.add_sequence(6)
+        cache.check_integrity()
+        with pytest.raises(ValueError, match="worker 0 holds 4 query / 1 KV heads"):
+            disco.DiscoKVCache.from_handle(s, handle, 16, 2)  # not the model's heads
+        # a create the workers refuse: the model gets None, the controller the error
+        bad = s.call("vm.builtin.paged_attention_kv_cache_create", *_create_args(s, [0, 2, 4], (4, 1)))
+        with pytest.raises(ValueError, match="layer_partition \\[0, 2, 4\\] gives 2 pipeline stages"):
+            disco.DiscoKVCache.from_handle(s, bad, 8, 2)
+        s.check_workers()
+        del bad, handle, add
+
+
+def test_pipeline_groups_hold_their_stage_layers():
+    """A session of two worker groups (pipeline stages): each group's shard holds the layers TVM's
+    layer_indptr gives it, created by tvmkv (layer_partition) or through TVM's create call."""
+    with disco.TvmkvSession(2, num_groups=2) as s:
+        kw = dict(dtype="float32", num_pages=20, max_total_seq_len=64)
+        with pytest.raises(ValueError, match="2 worker groups .* pass layer_partition"):
+            disco.DiscoKVCache(s, 4, 8, 2, 64, **kw)
+        with pytest.raises(ValueError, match="layer_partition=\\[0, 4, 4\\] must be 3 increasing"):
+            disco.DiscoKVCache(s, 4, 8, 2, 64, layer_partition=[0, 4, 4], **kw)
+        cache = disco.DiscoKVCache(s, 4, 8, 2, 64, layer_partition=[0, 1, 4], **kw)
+        seen = disco.DiscoKVCache.from_handle(s, cache.handle, 8, 2)  # each worker's own configuration
+        assert seen.layer_partition == [0, 1, 4] and seen.config.num_layers == 4
+        cache.calls([("add_sequence", (1,)), ("begin_forward", ([1], [20])), ("end_forward", ())])
+        cache.check_integrity()  # both stages' page tables alike
+        k, v = cache.debug_get_kv(1, 3, 3)
+        assert k.shape == v.shape == (4, 0, 2, 64)
+        s.install_tvm_override(num_pages=20)
+        handle = s.call("vm.builtin.paged_attention_kv_cache_create", *_create_args(s, [0, 3, 4]))
+        dropin = disco.DiscoKVCache.from_handle(s, handle, 8, 2)
+        assert dropin.layer_partition == [0, 3, 4] and dropin.layout.qo_per_shard == 8
+        bad = s.call("vm.builtin.paged_attention_kv_cache_create", *_create_args(s, [0, 4]))
+        with pytest.raises(ValueError, match="1 pipeline stages but the cache is created in a Disco session of 2"):
+            disco.DiscoKVCache.from_handle(s, bad, 8, 2)
+        del bad, handle

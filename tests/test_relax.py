@@ -184,10 +184,13 @@ def test_create_maps_tvm_arguments_and_rejects_what_tvmkv_lacks():
         (dict(kinds=[0, 1]), "MLA"),
         (dict(v=32), "v_head_dim"),
         (dict(disagg=True), "disagg"),
-        (dict(partition=[0, 1, 2]), "layer_partition"),
     ]:
         with pytest.raises(NotImplementedError, match=match):
             override.cache_kwargs(*_create_args(**change))
+    # two pipeline stages outside a Disco session of two worker groups (TVM checks the same)
+    for partition in ([0, 1, 2], [1, 2], [0, 2, 2], [0, 3]):
+        with pytest.raises(ValueError, match="layer_partition"):
+            override.cache_kwargs(*_create_args(partition=partition))
     with pytest.raises(ValueError, match="longrope"):  # extension factors without TvmBuiltinOverride(rope_scaling=)
         override.cache_kwargs(*_create_args(ext=tvm.runtime.tensor(np.ones(32, "float32"), tvm.cpu())))
 

@@ -357,3 +357,39 @@ def test_scheduler_runs_on_shards():
             cache.check_integrity()
         plans.append((steps, sched.stats.preempted_swap, sched.stats.swapped_in))
     assert plans[0] == plans[1] and plans[0][1] > 0 and plans[0][2] > 0  # identical, with swaps out and in
+
+
+class _Stage:
+    """A pipeline stage's cache as the Replayer drives a whole model: the Replayer's layers ``0 ..`` are
+    the stage's ``first_layer ..`` (the model's ids, which the stage's calls take)."""
+
+    def __init__(self, cache):
+        self._cache = cache
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def attention_with_fused_qkv(self, layer, qkv, *args, **kwargs):
+        return self._cache.attention_with_fused_qkv(self._cache.config.first_layer + layer, qkv, *args, **kwargs)
+
+
+@pytest.mark.parametrize("scenario", ["tvm_operation_seq", "fork"])
+def test_pipeline_stage_holds_its_layers_under_the_model_ids(scenario):
+    """A cache of layers [2, 4) of a model (TVM's layer_indptr stage): attention named by the model's layer
+    ids, every output and stored K/V against the NumPy model of those layers."""
+    cache = make_cache(first_layer=2)
+    assert cache.config.first_layer == 2 and cache.config.num_layers == 2
+    Replayer(_Stage(cache)).run(SCENARIOS[scenario])
+    cache.add_sequence(7)
+    cache.begin_forward([7], [3])
+    qkv = np.zeros((3, cache.config.qkv_heads, cache.config.head_dim), np.float32)
+    for layer in (0, 1, 4, -1):  # not this stage's: named with the range and the stage
+        with pytest.raises(ValueError, match=r"layer_id .* out of range \[2, 4\) \(this cache is the pipeline stage"):
+            cache.attention_with_fused_qkv(layer, qkv)
+    cache.attention_with_fused_qkv(2, qkv)
+    cache.end_forward()
+    from tvmkv.runtime.checkpoint import layout_descriptor
+
+    assert "layer_begin=2;layer_end=4;" in layout_descriptor(cache)  # TVM's checkpoint fields of a stage
+    with pytest.raises(ValueError, match="first_layer=-1 must be an int >= 0"):
+        make_cache(first_layer=-1)

@@ -43,6 +43,9 @@ class CacheConfig:
     target_kind: str = "llvm"
     cuda_arch: str | None = None
     device_id: int = 0  # the GPU the cache lives on (cuda:N; a tensor-parallel worker's own); 0 on llvm
+    # the model's id of this cache's first layer: a pipeline stage holds layers [first_layer, first_layer +
+    # num_layers) and every call names them by the model's ids (TVM's layer_indptr; docs/layout.md)
+    first_layer: int = 0
     num_pages: int | None = None
     decode_splits: int | None = None
     stable_decode_splits: bool = False  # split plans for CUDA-graph replay (decode_split.plan_split, stable)
@@ -138,6 +141,8 @@ class CacheConfig:
             raise TypeError(f"device_planning={self.device_planning!r} must be True or False")
         if not isinstance(self.device_id, int) or isinstance(self.device_id, bool) or self.device_id < 0:
             raise ValueError(f"device_id={self.device_id!r} must be an int >= 0 (the N of cuda:N)")
+        if not isinstance(self.first_layer, int) or isinstance(self.first_layer, bool) or self.first_layer < 0:
+            raise ValueError(f"first_layer={self.first_layer!r} must be an int >= 0 (a pipeline stage's first layer)")
         if self.device_id and self.target_kind != "cuda":
             raise ValueError(f"device_id={self.device_id} applies to target 'cuda' only; leave it 0 on the CPU")
 

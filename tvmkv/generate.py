@@ -26,7 +26,10 @@ engine would, with :class:`tvmkv.relax.TvmBuiltinOverride` installed.
 ``--tensor-parallel N`` shards the model over N Disco workers (:mod:`tvmkv.disco`: heads and MLP
 columns split, two all-reduces per layer, one cache shard per worker) and runs the unsharded model on
 its own cache beside it: every step's logits are checked against that single-device run as well as
-against PyTorch. On the CPU the workers are processes whose all-reduces go through gloo.
+against PyTorch. On the CPU the workers are processes whose all-reduces go through gloo. With
+``--interface tvm`` each worker's model creates its shard through TVM's create function (tvmkv's
+drop-in installed on every worker) and the sequence operations are TVM's ``vm.builtin.kv_state_*``
+functions called on every worker through Disco, as MLC-LLM's engine calls them.
 """
 
 from __future__ import annotations
@@ -224,6 +227,60 @@ class BuiltinOps:
 
     def num_available_pages(self) -> int:
         return int(self._f["attention_kv_cache_get_num_available_pages"](self.cache))
+
+
+class DiscoBuiltinOps:
+    """Drives the shards of a :class:`tvmkv.disco.DiscoKVCache` made through TVM's interface
+    (:meth:`~tvmkv.disco.DiscoKVCache.from_handle`) with TVM's ``vm.builtin.*`` functions, called on every
+    Disco worker (as MLC-LLM's engine drives a tensor-parallel model), then raises on this process what a
+    call raised on a worker (:meth:`~tvmkv.disco.TvmkvSession.check_errors`). The scheduler's queries and
+    swaps go to ``cache``, the DiscoKVCache."""
+
+    def __init__(self, cache):
+        self.cache, self.session = cache, cache.session
+        self._f = {
+            name: cache.session.session.get_global_func("vm.builtin." + name)
+            for name in (
+                "kv_state_add_sequence",
+                "kv_state_remove_sequence",
+                "kv_state_fork_sequence",
+                "kv_state_begin_forward",
+                "kv_state_end_forward",
+                "attention_kv_cache_get_num_available_pages",
+            )
+        }
+        self.session.holders.add(self)  # its functions hold the session: shutdown closes them
+
+    def close(self) -> None:
+        self._f = {}
+
+    def _call(self, name, *args):
+        self.session.check_workers()
+        if not self._f:
+            raise RuntimeError("the Disco session of these operations was shut down")
+        result = self._f[name](self.cache.handle, *args)
+        self.session.check_errors()  # a failed call is kept on the workers (a raise there would end them)
+        return result
+
+    def add_sequence(self, seq_id):
+        self._call("kv_state_add_sequence", seq_id)
+
+    def remove_sequence(self, seq_id):
+        self._call("kv_state_remove_sequence", seq_id)
+
+    def fork_sequence(self, parent, child, fork_pos=-1):
+        self._call("kv_state_fork_sequence", parent, child, fork_pos)
+
+    def begin_forward(self, seq_ids, lengths):
+        import tvm_ffi
+
+        self._call("kv_state_begin_forward", tvm_ffi.Shape(seq_ids), tvm_ffi.Shape(lengths))
+
+    def end_forward(self):
+        self._call("kv_state_end_forward")
+
+    def num_available_pages(self) -> int:
+        return int(self.session.fetch(self._call("attention_kv_cache_get_num_available_pages")))
 
 
 def generate(
@@ -539,10 +596,8 @@ def _check_tensor_parallel(args, cfg) -> str | None:
         return f"--tensor-parallel {n}: {err}"
     if cfg.intermediate_size % n:
         return f"--tensor-parallel {n} does not divide the MLP's {cfg.intermediate_size} columns"
-    unsupported = {"--interface tvm": args.interface == "tvm", "--prefix-cache": args.prefix_cache}
-    named = [flag for flag, on in unsupported.items() if on]
-    if named:
-        return f"--tensor-parallel {n} drives the shards through tvmkv's interface; not with {', '.join(named)}"
+    if args.prefix_cache:
+        return f"--tensor-parallel {n} does not combine with --prefix-cache (the prefix cache holds one cache's pages)"
     if args.target == "cuda" and not args.export_lib:
         plugin = _nccl_plugin(args)
         if not plugin or not Path(plugin).is_file():
@@ -557,7 +612,7 @@ def _check_tensor_parallel(args, cfg) -> str | None:
                 f"--model-lib {args.model_lib}: no {lib.name} beside it; export both with --export-lib "
                 f"{args.model_lib} --tensor-parallel {n}"
             )
-        problem = _check_model_lib(lib, {**_model_key(cfg, "tvmkv", args.target), "tensor_parallel": n})
+        problem = _check_model_lib(lib, {**_model_key(cfg, args.interface, args.target), "tensor_parallel": n})
         if problem is not None:
             return problem
     return None
@@ -666,10 +721,11 @@ def main(argv=None) -> int:
         if args.tensor_parallel > 1:
             n, shard_lib = args.tensor_parallel, _shard_lib(args.export_lib, args.tensor_parallel)
             tp_ex, tp_names = compile_llama(
-                cfg, interface="tvmkv", target=args.target, cuda_arch=arch, tensor_parallel=n
+                cfg, interface=args.interface, target=args.target, cuda_arch=arch, tensor_parallel=n
             )
             tp_ex.export_library(str(shard_lib))
-            meta = {"param_names": tp_names, "model": {**_model_key(cfg, "tvmkv", args.target), "tensor_parallel": n}}
+            key = {**_model_key(cfg, args.interface, args.target), "tensor_parallel": n}
+            meta = {"param_names": tp_names, "model": key}
             shard_lib.with_suffix(".json").write_text(json.dumps(meta))
             print(f"  wrote {shard_lib} (one of {n} shards)")
         return 0
@@ -756,7 +812,7 @@ def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes, 
             tp_names = json.loads(lib.with_suffix(".json").read_text())["param_names"]
         else:
             tp_ex, tp_names = compile_llama(
-                cfg, interface="tvmkv", target=args.target, cuda_arch=arch, tensor_parallel=n
+                cfg, interface=args.interface, target=args.target, cuda_arch=arch, tensor_parallel=n
             )
             lib = Path(tmp) / "model_shard.so"
             tp_ex.export_library(str(lib))
@@ -766,12 +822,27 @@ def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes, 
             session.init_nccl()
         else:
             session.init_gloo()
-        cache = DiscoKVCache(session, cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts)
-        model = DiscoLlama(session, lib, tp_names, npz, cfg, target=args.target)
-        single_cache = tvmkv.PagedAttentionKVCache(
-            cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts
-        )
-        single = RelaxLlama(ex, names, weights, cfg, tvm.cuda(0) if cuda else tvm.cpu(0))
+        device = tvm.cuda(0) if cuda else tvm.cpu(0)
+        if args.interface == "tvm":  # each worker's model creates its shard through TVM's create function
+            session.install_tvm_override(build_dir=args.build_dir, cuda_arch=arch, num_pages=args.num_pages)
+            model = DiscoLlama(session, lib, tp_names, npz, cfg, target=args.target)
+            cache = DiscoKVCache.from_handle(
+                session, model.create_paged_kv_cache(**sizes), cfg.num_qo_heads, cfg.num_kv_heads
+            )
+            ops = DiscoBuiltinOps(cache)
+            # the single-device model beside it: this process's functions are tvmkv's too (worker 0 is here)
+            single = RelaxLlama(ex, names, weights, cfg, device, interface="tvm")
+            single_cache = single.create_paged_kv_cache(**sizes)
+            single_ops = BuiltinOps(single_cache)
+        else:
+            cache = DiscoKVCache(session, cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts)
+            model = DiscoLlama(session, lib, tp_names, npz, cfg, target=args.target)
+            ops = DirectOps(cache)
+            single_cache = tvmkv.PagedAttentionKVCache(
+                cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **opts
+            )
+            single = RelaxLlama(ex, names, weights, cfg, device)
+            single_ops = DirectOps(single_cache)
         lay = cache.layout
         print(
             f"  {n} Disco workers ready in {time.perf_counter() - t0:.1f}s: each {lay.qo_per_shard} query / "
@@ -791,7 +862,7 @@ def _main_tensor_parallel(args, cfg, weights, ex, names, requests, fork, sizes, 
 
         report = generate(
             twin,
-            TwinOps(DirectOps(cache), DirectOps(single_cache)),
+            TwinOps(ops, single_ops),
             requests,
             prefill_chunk_size=args.prefill_chunk_size,
             max_batch_size=args.max_batch_size,

@@ -112,6 +112,21 @@ class DiscoLlama:
         """Drop the workers' module and weights (:meth:`TvmkvSession.shutdown` does this)."""
         self.module = self.params = self._forward = None
 
+    def create_paged_kv_cache(
+        self, *, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window=0
+    ):
+        """The model's own ``create_paged_kv_cache`` (a model compiled with ``interface="tvm"``) on every
+        worker: the ``DRef`` of each worker's cache, a tvmkv shard where
+        :meth:`~tvmkv.disco.TvmkvSession.install_tvm_override` ran first (wrap it with
+        :meth:`~tvmkv.disco.DiscoKVCache.from_handle`)."""
+        from ..relax.llama import tvm_shape_int
+
+        if self._forward is None:
+            raise RuntimeError("this DiscoLlama is closed (its session was shut down)")
+        sizes = (max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window)
+        self.session.check_workers()
+        return self.module["create_paged_kv_cache"](*(tvm_shape_int(x) for x in sizes))
+
     def forward(self, token_ids, cache) -> np.ndarray:
         """Logits ``[n, V]`` float32 of the ``n`` new tokens of ``cache``'s open forward (worker 0's)."""
         if self._forward is None:
@@ -120,6 +135,7 @@ class DiscoLlama:
         ids_ref = self.session.call(TENSOR, ids.tobytes(), self._shape(ids.shape), "int32", *self._where)
         self.session.check_workers()
         logits = self._forward(ids_ref, cache.handle, self.params)
+        self.session.check_errors()  # what the cache's calls inside the model raised on a worker
         # worker 0 is a thread of this process: its register holds the logits tensor itself, on its device
         # (Disco's copy_from_worker_0 staged 32 MB of logits at a few GB/s, 20-30 ms a step at batch 256)
         return self.session.fetch(logits, 0).numpy()[0]

@@ -120,13 +120,36 @@ class TvmkvSession:
         session = disco.ProcessSession.__new__(disco.ProcessSession)
         session.__init_handle_by_constructor__(_ffi_api.SessionProcess, num_workers, num_groups, name, ENTRYPOINT)
         self.session = session
-        self.num_workers = num_workers
+        self.num_workers, self.num_groups = num_workers, num_groups
+        self.group_size = num_workers // num_groups  # workers per group: one pipeline stage's shards
+        self.override = False  # whether install_tvm_override made this process's vm.builtin.* tvmkv's
         # a session still open at interpreter exit would end in Disco's destructor during finalization,
         # which aborts: shut it down first (a weak reference, so this keeps nothing alive)
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         # objects holding DRefs of this session (DiscoKVCache, DiscoLlama): shutdown closes them
         self.holders: weakref.WeakSet = weakref.WeakSet()
         self.ccl = ""  # the collective backend once set up ("gloo")
+        # each worker learns its group (worker.stage()); worker 0 is a thread of this process
+        self._worker0_thread = int(self.fetch(self.call(W.SET_GROUPS, num_groups)))
+
+    def install_tvm_override(self, **options) -> None:
+        """Make every worker's ``vm.builtin.*`` cache functions tvmkv's: a model compiled against TVM's
+        ``PagedKVCache`` and loaded on the workers (``session.load_vm_module``) then creates a tvmkv shard
+        on each worker from its own create function, and the controller drives those shards with TVM's
+        ``vm.builtin.kv_state_*`` functions through Disco, as MLC-LLM does (or wraps them in
+        :meth:`DiscoKVCache.from_handle` for Python errors). ``options`` are
+        :class:`~tvmkv.relax.TvmBuiltinOverride`'s (``num_pages``, ``build_dir``, ``cuda_arch``,
+        ``rope_scaling``, ``rotary_dim``, ``mla_self_dims``); a worker group's cache holds the layers the
+        create call's ``layer_partition`` gives that group. Worker 0 is a thread of this process, so this
+        process's functions change too, until :meth:`shutdown`."""
+        try:
+            text = json.dumps(_plain(options))
+        except TypeError as err:
+            raise TypeError(f"install_tvm_override options must be plain values: {err}") from None
+        result = self.call(W.INSTALL_OVERRIDE, text)
+        self.override = True
+        for w in range(self.num_workers):
+            raise_error(str(self.fetch(result, w)), w)
 
     def init_nccl(self, device_ids=None) -> None:
         """Create the NCCL communicators (the session was started with ``nccl_plugin``): worker ``i`` on
@@ -161,6 +184,15 @@ class TvmkvSession:
             if problem:
                 raise RuntimeError(f"worker {w} could not join the gloo group: {problem}")
         self.ccl = "gloo"
+
+    def check_errors(self) -> None:
+        """Raise, on this process, what a cache call made on the workers by a model or through Disco
+        (``vm.builtin.*`` after :meth:`install_tvm_override`, the ``tvmkv.*`` globals) raised there since the
+        last check: a worker keeps the first such error instead of raising it, which would end the worker
+        (and worker 0's this process). The cache is as it was before the failed call."""
+        ref = self.call(W.TAKE_ERROR)
+        for w in range(self.num_workers):
+            raise_error(str(self.fetch(ref, w)), w)
 
     def check_workers(self) -> None:
         """Raise :class:`WorkerDiedError` when a worker process has exited."""
@@ -218,6 +250,9 @@ class TvmkvSession:
         # this thread holds the GIL, so let it finish its queue first (else the two wait on each other)
         self.session.sync_worker_0()
         self.session = None  # Disco's destructor tells the workers to stop and joins worker 0
+        W.forget_thread(self._worker0_thread)
+        if self.override:
+            W.uninstall_override()  # worker 0's, in this process
         import tvm_ffi
 
         tvm_ffi.remove_global_func(self._pool_name)
@@ -292,25 +327,40 @@ class DiscoKVCache:
     Parameters
     ----------
     session : TvmkvSession
-        Its workers each hold one shard (``ShardLayout(num_qo_heads, num_kv_heads, num_workers)``).
+        Its workers each hold one shard (``ShardLayout(num_qo_heads, num_kv_heads, session.group_size)``
+        within each worker group).
     num_layers, num_qo_heads, num_kv_heads, head_dim : int
         The whole model's shape.
     device_ids : list of int, optional
         cuda: the GPU of each worker (default ``0 .. num_workers - 1``, as ``init_ccl("nccl", *ids)``).
+    layer_partition : list of int, optional
+        A session of several worker groups (pipeline stages): the layer boundaries, one more than the
+        groups (TVM's ``layer_indptr``, e.g. ``[0, 2, 4]``); group ``g``'s shards hold layers
+        ``[layer_partition[g], layer_partition[g + 1])`` under their model ids. Default: one group, all layers.
     **options
-        The cache's keyword options, for every shard (``kv_scales`` for the whole model).
+        The cache's keyword options, for every shard (``kv_scales`` and ``layer_windows`` for the whole model).
 
     ``handle`` is the ``DRef`` of the shards: pass it to a Relax VM's functions in place of a cache.
     Sequence operations are those of :class:`~tvmkv.PagedAttentionKVCache` and raise what it raises;
     ``calls`` issues several in one Disco call (one per step: ``[("end_forward", ()), ("begin_forward",
-    (ids, lengths))]``).
+    (ids, lengths))]``). :meth:`from_handle` wraps the shards a model created through TVM's interface.
     """
 
     def __init__(
-        self, session: TvmkvSession, num_layers, num_qo_heads, num_kv_heads, head_dim, *, device_ids=None, **options
+        self,
+        session: TvmkvSession,
+        num_layers,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        *,
+        device_ids=None,
+        layer_partition=None,
+        **options,
     ):
         self.session = session
-        self.layout = ShardLayout(num_qo_heads, num_kv_heads, session.num_workers)
+        self.layout = ShardLayout(num_qo_heads, num_kv_heads, session.group_size)
+        self.layer_partition = _partition(layer_partition, num_layers, session.num_groups)
         if device_ids is None:
             device_ids = list(range(session.num_workers))
         device_ids = list(device_ids)
@@ -324,6 +374,8 @@ class DiscoKVCache:
             raise NotImplementedError(
                 "memory_fraction on a DiscoKVCache: the workers' free memory may differ; size the pool with num_pages"
             )
+        if options.get("first_layer"):
+            raise ValueError("first_layer on a DiscoKVCache: give the stages' layers as layer_partition")
         # the whole model's configuration, from the shards' (validates the options here, before any worker)
         own = {k: v for k, v in options.items() if k not in ("kv_scales", "calibrate", "build_dir")}
         shard = make_config(num_layers, self.layout.qo_per_shard, self.layout.kv_per_shard, head_dim, **own)
@@ -337,8 +389,9 @@ class DiscoKVCache:
             spec = json.dumps(
                 {
                     "shape": [num_layers, num_qo_heads, num_kv_heads, head_dim],
-                    "options": options,
+                    "options": _plain(options),
                     "device_ids": device_ids,
+                    "layer_partition": self.layer_partition,
                 }
             )
         except TypeError as err:
@@ -348,6 +401,58 @@ class DiscoKVCache:
         for w in range(session.num_workers):  # a shard that failed on any worker fails the whole cache
             raise_error(str(session.fetch(problems, w)), w)
         session.holders.add(self)
+
+    @classmethod
+    def from_handle(cls, session: TvmkvSession, handle, num_qo_heads, num_kv_heads) -> DiscoKVCache:
+        """The shards ``handle`` (a ``DRef``) holds, made on the workers by a model's own create function
+        through TVM's interface (:meth:`TvmkvSession.install_tvm_override`), as a ``DiscoKVCache``: its
+        sequence operations raise Python errors on this process instead of ending a worker, and its
+        queries, ``check_integrity`` and ``debug_get_kv`` work as on a cache made here. ``num_qo_heads`` /
+        ``num_kv_heads`` are the whole model's; each worker's shard must have the heads
+        :class:`~tvmkv.ShardLayout` gives its rank. A creation that failed on a worker is raised here."""
+        self = cls.__new__(cls)
+        self.session, self.handle = session, handle
+        self.layout = lay = ShardLayout(num_qo_heads, num_kv_heads, session.group_size)
+        described = session.call(W.DESCRIBE, handle)
+        configs = []
+        for w in range(session.num_workers):
+            text = str(session.fetch(described, w))
+            answer = json.loads(text)
+            if "config" not in answer:
+                raise_error(text, w)
+            configs.append(answer["config"])
+        stages = sorted({(c["first_layer"], c["first_layer"] + c["num_layers"]) for c in configs})
+        self.layer_partition = [0] + [end for _, end in stages]
+        for w, c in enumerate(configs):
+            g = w // session.group_size
+            want = (lay.qo_per_shard, lay.kv_per_shard, *self.layer_partition[g : g + 2])
+            have = (c["num_qo_heads"], c["num_kv_heads"], c["first_layer"], c["first_layer"] + c["num_layers"])
+            if have != want or len(stages) != session.num_groups:
+                raise ValueError(
+                    f"worker {w} holds {have[0]} query / {have[1]} KV heads of layers [{have[2]}, {have[3]}) where "
+                    f"{num_qo_heads} / {num_kv_heads} heads over {session.group_size} shards per group and the "
+                    f"groups' layers {stages} give {want[0]} / {want[1]} of layers [{want[2]}, {want[3]}): was the "
+                    f"model compiled for this session (tensor_parallel={session.group_size}, "
+                    f"{session.num_groups} stages)?"
+                )
+        from ..config import CacheConfig
+
+        as_tuples = {k: tuple(configs[0][k] or ()) for k in ("layer_windows", "mla_self_dims")}
+        shard = CacheConfig(**{**configs[0], **as_tuples})  # worker 0's, its RoPE the plain one
+        windows: tuple = ()
+        if any(c["layer_windows"] for c in configs):  # each group's first worker's, in layer order
+            heads = [configs[g * session.group_size] for g in range(session.num_groups)]
+            windows = tuple(x for c in heads for x in (c["layer_windows"] or [0] * c["num_layers"]))
+        self.config = replace(
+            shard,
+            num_layers=self.layer_partition[-1],
+            first_layer=0,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            layer_windows=windows,
+        )
+        session.holders.add(self)
+        return self
 
     def close(self) -> None:
         """Drop the shards (:meth:`TvmkvSession.shutdown` does this); the cache cannot be used after."""
@@ -466,9 +571,9 @@ class DiscoKVCache:
                 raise errors.ShardDivergenceError(w, "its page tables digest differently from worker 0's")
 
     def debug_get_kv(self, seq_id, start_pos=0, end_pos=None):
-        """K and V of tokens ``[start_pos, end_pos)`` of ``seq_id``, every KV head of the model, float32
-        NumPy ``[num_layers, n, H_kv, D]`` each, gathered from the workers (a replicated head from the first
-        worker holding it); the range is checked as the cache checks it."""
+        """K and V of tokens ``[start_pos, end_pos)`` of ``seq_id``, every layer and KV head of the model,
+        float32 NumPy ``[num_layers, n, H_kv, D]`` each, gathered from the workers (a replicated head from the
+        first worker of its stage holding it); the range is checked as the cache checks it."""
         from ..runtime.sequences import check_id
 
         seq_id = check_id(seq_id)
@@ -488,11 +593,41 @@ class DiscoKVCache:
         parts = [self.session.fetch(ref, w).numpy() for w in range(self.session.num_workers)]
         if any(p.ndim != 5 for p in parts):
             raise RuntimeError(f"debug_get_kv({seq_id}, {start_pos}, {end}) failed on a worker")
-        for h in range(lay.num_kv_heads):
-            w = lay.shard_of_kv_head(h)
-            k[:, :, h] = parts[w][0][:, :, h - lay.kv_heads(w).start]
-            v[:, :, h] = parts[w][1][:, :, h - lay.kv_heads(w).start]
+        bounds, size = self.layer_partition, self.session.group_size
+        for g in range(len(bounds) - 1):  # each stage's layers from that worker group
+            layers = slice(bounds[g], bounds[g + 1])
+            for h in range(lay.num_kv_heads):
+                shard = lay.shard_of_kv_head(h)
+                part, j = parts[g * size + shard], h - lay.kv_heads(shard).start
+                k[layers, :, h] = part[0][:, :, j]
+                v[layers, :, h] = part[1][:, :, j]
         return k, v
+
+
+def _partition(layer_partition, num_layers: int, num_groups: int) -> list:
+    """The checked layer boundaries of the session's worker groups (``[0, num_layers]`` for one group)."""
+    if layer_partition is None:
+        if num_groups != 1:
+            raise ValueError(
+                f"the session has {num_groups} worker groups (pipeline stages): pass layer_partition, "
+                f"{num_groups + 1} layer boundaries from 0 to {num_layers} (e.g. TVM's layer_indptr)"
+            )
+        return [0, num_layers]
+    try:
+        bounds = [int(x) for x in layer_partition]
+    except (TypeError, ValueError):
+        raise TypeError(f"layer_partition={layer_partition!r} must be a list of ints") from None
+    if (
+        len(bounds) != num_groups + 1
+        or bounds[0] != 0
+        or bounds[-1] != num_layers
+        or any(b <= a for a, b in zip(bounds, bounds[1:]))
+    ):
+        raise ValueError(
+            f"layer_partition={bounds} must be {num_groups + 1} increasing layer boundaries from 0 to {num_layers}, "
+            f"one stage per worker group of the session ({num_groups})"
+        )
+    return bounds
 
 
 def _plain(x):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+from dataclasses import asdict
 from typing import Callable
 
 import numpy as np
@@ -28,6 +30,10 @@ DIGEST = "tvmkv.disco.digest"
 GET_KV = "tvmkv.disco.debug_get_kv"
 ERROR = "tvmkv.disco.creation_error"
 QUERY = "tvmkv.disco.query"
+DESCRIBE = "tvmkv.disco.describe"
+SET_GROUPS = "tvmkv.disco.set_groups"
+INSTALL_OVERRIDE = "tvmkv.disco.install_override"
+TAKE_ERROR = "tvmkv.disco.take_error"
 
 # the cache methods APPLY may call: the sequence operations, issued to every worker alike
 METHODS = frozenset(
@@ -63,6 +69,39 @@ QUERIES = frozenset(
 )
 
 _creation_errors: dict = {}  # worker rank -> the JSON error of its last failed create_shard
+# worker thread -> its session's number of worker groups (pipeline stages), set by set_groups. Worker 0 of
+# every session is a thread of the controller process, the others the main thread of their own process.
+# (Keyed by thread ident: Disco's threads are C++ threads, whose Python thread state, threading.local's
+# data with it, goes after each call into Python.)
+_groups: dict = {}
+_override = None  # the TvmBuiltinOverride installed in this process by install_override
+# worker rank -> the JSON error of the first vm.builtin call on a tvmkv cache that failed on it since the
+# controller last took it (install_override's functions record instead of raising, which would end the worker)
+_pending: dict = {}
+
+
+def stage():
+    """``(group, num_groups, rank_in_group, group_size)`` of the Disco worker this thread runs, or None outside
+    a tvmkv Disco worker. Disco numbers workers group by group: worker ``w`` is rank ``w % group_size`` of
+    group ``w // group_size``; a group is one pipeline stage, its workers the stage's tensor-parallel shards."""
+    groups = _groups.get(threading.get_ident())
+    if groups is None:
+        return None
+    rank, world = _rank()
+    size = world // groups
+    return rank // size, groups, rank % size, size
+
+
+def _set_groups(num_groups: int) -> int:
+    """``set_groups(num_groups)``: record this worker's session layout (:func:`stage`); returns the thread's
+    ident, for :func:`forget_thread` when the session ends."""
+    _groups[threading.get_ident()] = int(num_groups)
+    return threading.get_ident()
+
+
+def forget_thread(ident: int) -> None:
+    """Drop what :func:`_set_groups` recorded for thread ``ident`` (worker 0's, at the session's shutdown)."""
+    _groups.pop(ident, None)
 
 
 def encode_error(err: BaseException) -> str:
@@ -91,17 +130,25 @@ def _create(spec: str):
         from ..runtime.cache import PagedAttentionKVCache
         from ..runtime.sharding import ShardLayout
 
-        rank, world = _rank()
+        rank = _rank()[0]
         _creation_errors.pop(rank, None)
+        group, _, shard, size = stage() or (0, 1, *_rank())
         s = json.loads(spec)
         layers, hq, hkv, head_dim = s["shape"]
-        layout = ShardLayout(hq, hkv, world)
+        layout = ShardLayout(hq, hkv, size)
         options = dict(s["options"])
+        partition = s.get("layer_partition") or [0, layers]
+        first, end = partition[group], partition[group + 1]
         if options.get("kv_scales") is not None:
-            options["kv_scales"] = layout.shard_kv_scales(np.asarray(options["kv_scales"], np.float32), rank)
+            scales = np.asarray(options["kv_scales"], np.float32)
+            options["kv_scales"] = layout.shard_kv_scales(scales[first:end] if scales.ndim == 3 else scales, shard)
+        if options.get("layer_windows") is not None:
+            options["layer_windows"] = list(options["layer_windows"])[first:end]
         if options["target"]["kind"] == "cuda":  # the controller sends the target as {"kind", "arch"}
             options["device_id"] = s["device_ids"][rank]
-        return PagedAttentionKVCache(layers, layout.qo_per_shard, layout.kv_per_shard, head_dim, **options)
+        return PagedAttentionKVCache(
+            end - first, layout.qo_per_shard, layout.kv_per_shard, head_dim, first_layer=first, **options
+        )
     except Exception as err:  # noqa: BLE001  (a raise here would kill the worker)
         _creation_errors[rank] = encode_error(err)
         return None
@@ -119,6 +166,11 @@ def _apply(cache, calls: str) -> str:
     """``apply(cache, calls)``: run the JSON list of ``[method, args, kwargs]`` calls on this worker's
     cache in order, stopping at the first that raises; returns its error as JSON, or "" when all ran."""
     try:
+        earlier = _pending.pop(_rank()[0], "")
+        if earlier:  # a vm.builtin call failed since the controller last looked: report that, run nothing
+            fields = json.loads(earlier)
+            fields["message"] += " (an earlier call; the calls now issued did not run)"
+            return json.dumps(fields)
         for method, args, kwargs in json.loads(calls):
             if method not in METHODS:
                 raise ValueError(f"{method!r} is not a sequence operation a worker runs; one of {sorted(METHODS)}")
@@ -135,6 +187,68 @@ def _query(cache, method: str, args: str) -> str:
         if method not in QUERIES:
             raise ValueError(f"{method!r} is not a query a worker answers; one of {sorted(QUERIES)}")
         return json.dumps({"value": getattr(cache, method)(*json.loads(args))})
+    except Exception as err:  # noqa: BLE001
+        return encode_error(err)
+
+
+def _describe(cache) -> str:
+    """``describe(cache)``: the JSON ``{"config": ...}`` of this worker's cache (its configuration's plain
+    fields), or the error saying why the object is not a tvmkv cache (a failed drop-in creation)."""
+    try:
+        from ..runtime.cache import PagedAttentionKVCache
+
+        if not isinstance(cache, PagedAttentionKVCache):
+            why = _take_error()
+            if why:  # the model's create call failed on this worker
+                return why
+            raise TypeError(f"the worker holds a {type(cache).__name__}, not a tvmkv.PagedAttentionKVCache")
+        fields = asdict(cache.config)
+        fields.pop("rope_scaling")  # a RopeScaling: the controller's copy keeps the plain RoPE's fields only
+        return json.dumps({"config": fields})
+    except Exception as err:  # noqa: BLE001
+        return encode_error(err)
+
+
+def _install_override(options: str) -> str:
+    """``install_override(options)``: make this process's ``vm.builtin.*`` cache functions tvmkv's
+    (:class:`tvmkv.relax.TvmBuiltinOverride` with the JSON ``options``, replacing the one an earlier call
+    installed). A call on a tvmkv cache that fails (a create among them) returns None instead of raising,
+    which would end the worker (worker 0: the controller process); its error waits in :func:`_take_error`."""
+    global _override
+    try:
+        from ..relax.builtins import TvmBuiltinOverride
+
+        fresh = TvmBuiltinOverride(**json.loads(options))
+        uninstall_override()
+        _override = fresh.install()
+        return ""
+    except Exception as err:  # noqa: BLE001
+        return encode_error(err)
+
+
+def uninstall_override() -> None:
+    """Give this process back the ``vm.builtin.*`` functions it had before :func:`_install_override`."""
+    global _override
+    if _override is not None:
+        _override.uninstall()
+        _override = None
+
+
+def _record_error(name: str, err: BaseException) -> None:
+    """On a worker thread: keep the first failed call's error (later ones usually follow from it) until the
+    controller takes it. Elsewhere (the controller's own calls): raise it."""
+    if threading.get_ident() not in _groups:
+        raise err
+    fields = json.loads(encode_error(err))
+    fields["message"] = f"{name} on worker {_rank()[0]}: {fields['message']}"
+    _pending.setdefault(_rank()[0], json.dumps(fields))
+
+
+def _take_error() -> str:
+    """``take_error()``: the error a ``vm.builtin`` call on this worker left (:func:`_record_error`), "" if none;
+    cleared by taking it."""
+    try:
+        return _pending.pop(_rank()[0], "")
     except Exception as err:  # noqa: BLE001
         return encode_error(err)
 
@@ -166,6 +280,7 @@ def register() -> None:
     import tvm_ffi
 
     from ..relax.builtins import register as register_relax
+    from ..relax.builtins import route_worker_calls
     from . import gloo, model
 
     funcs: dict[str, Callable] = {
@@ -175,10 +290,15 @@ def register() -> None:
         DIGEST: _digest,
         GET_KV: _get_kv,
         ERROR: _creation_error,
+        DESCRIBE: _describe,
+        SET_GROUPS: _set_groups,
+        INSTALL_OVERRIDE: _install_override,
+        TAKE_ERROR: _take_error,
     }
     for name, func in funcs.items():
         tvm_ffi.register_global_func(name, func, override=True)
     register_relax()
+    route_worker_calls(_record_error, stage)  # a raise in a worker ends it: its errors wait for take_error
     gloo.register()
     model.register()
 

@@ -147,13 +147,47 @@ def register() -> None:
     """Register the ``tvmkv.*`` globals of :class:`tvmkv.relax.TvmkvKVCache` (idempotent): attention with
     fused qkv, attention with shared KV, query positions, and MLA's append / self / cross attention /
     merge. Call before constructing the VM."""
-    tvm_ffi.register_global_func(ATTENTION_FUNC, _attention, override=True)
-    tvm_ffi.register_global_func(SHARED_KV_FUNC, _attention_shared, override=True)
-    tvm_ffi.register_global_func(QUERY_POSITIONS_FUNC, _query_positions_own, override=True)
-    tvm_ffi.register_global_func(APPEND_MLA_FUNC, _append_mla_own, override=True)
-    tvm_ffi.register_global_func(SELF_ATTENTION_FUNC, _self_attention_own, override=True)
-    tvm_ffi.register_global_func(CROSS_ATTENTION_FUNC, _cross_attention_own, override=True)
-    tvm_ffi.register_global_func(MERGE_FUNC, _merge_own, override=True)
+    funcs = {
+        ATTENTION_FUNC: _attention,
+        SHARED_KV_FUNC: _attention_shared,
+        QUERY_POSITIONS_FUNC: _query_positions_own,
+        APPEND_MLA_FUNC: _append_mla_own,
+        SELF_ATTENTION_FUNC: _self_attention_own,
+        CROSS_ATTENTION_FUNC: _cross_attention_own,
+        MERGE_FUNC: _merge_own,
+    }
+    for name, func in funcs.items():
+        tvm_ffi.register_global_func(name, _reporting(name, func), override=True)
+
+
+_error_sink = None  # route_worker_calls's
+_stage = None
+
+
+def route_worker_calls(error_sink, stage) -> None:
+    """What a Disco worker process (:mod:`tvmkv.disco.worker`) supplies. ``error_sink(name, exception)``
+    receives what tvmkv's globals and :class:`TvmBuiltinOverride`'s functions raise and either takes it (the
+    call then returns None: on a worker thread a raise would end the worker, and worker 0's the controller
+    process) or raises it again. ``stage()`` is ``(group, num_groups, ...)`` of the worker thread calling it
+    (None elsewhere): a create call's ``layer_partition`` picks that group's layers. None, None: every error
+    raises, one stage."""
+    global _error_sink, _stage
+    _error_sink, _stage = error_sink, stage
+
+
+def _reporting(name: str, func):
+    """``func`` with what it raises given to the :func:`route_worker_calls` sink, when one is set."""
+
+    def call(*args):
+        try:
+            return func(*args)
+        except Exception as err:
+            if _error_sink is None:
+                raise
+            _error_sink(name, err)
+            return None
+
+    return call
 
 
 def cuda_target(arch: str | None):
@@ -242,6 +276,26 @@ def _impls() -> dict:
     }
 
 
+def _stage_layers(partition: list, num_kinds: int) -> tuple:
+    """``(first, end)``: the model's layers the cache being created holds, from the create call's
+    ``layer_partition`` (TVM's ``layer_indptr``) and the Disco worker group this thread runs (one stage
+    outside Disco)."""
+    group, groups = ((_stage and _stage()) or (0, 1))[:2]
+    if len(partition) != groups + 1:
+        where = f"a Disco session of {groups} worker groups" if groups > 1 else "one stage (no Disco worker groups)"
+        raise ValueError(
+            f"layer_partition {partition} gives {len(partition) - 1} pipeline stages but the cache is created in "
+            f"{where}; pass {groups + 1} layer boundaries, one stage per group (TVM's layer_indptr)"
+        )
+    if partition[0] != 0 or any(b <= a for a, b in zip(partition, partition[1:])):
+        raise ValueError(f"layer_partition {partition} must start at 0 and increase (each stage holds a layer)")
+    if num_kinds not in (1, partition[-1]):
+        raise ValueError(
+            f"attention kinds give {num_kinds} layers but layer_partition {partition} ends at layer {partition[-1]}"
+        )
+    return partition[group], partition[group + 1]
+
+
 def _is_tensor(x) -> bool:
     return hasattr(x, "__dlpack__") or type(x).__name__ in ("Tensor", "NDArray")
 
@@ -302,10 +356,22 @@ class TvmBuiltinOverride:
     mla_self_dims : (int, int), optional
         ``(Dq, Dv)`` of an MLA model's prefill self attention (DeepSeek-V2: ``(192, 128)``), which TVM's
         create call does not carry; default: inferred from the first ``self_attention`` call.
+
+    On a Disco worker of a session with several worker groups (pipeline stages), the create call's
+    ``layer_partition`` (TVM's ``layer_indptr``, one entry more than the groups) gives the worker's
+    group its layers, as TVM's does: the cache holds layers ``[layer_partition[g], layer_partition[g +
+    1])`` of group ``g`` and its calls take the model's layer ids (``first_layer``).
     """
 
     def __init__(
-        self, *, num_pages=None, build_dir=None, cuda_arch=None, rope_scaling=None, rotary_dim=None, mla_self_dims=None
+        self,
+        *,
+        num_pages=None,
+        build_dir=None,
+        cuda_arch=None,
+        rope_scaling=None,
+        rotary_dim=None,
+        mla_self_dims=None,
     ):
         self.mla_self_dims = mla_self_dims
         self.num_pages = num_pages
@@ -327,13 +393,13 @@ class TvmBuiltinOverride:
         self._originals = {n: tvm_ffi.get_global_func(n, allow_missing=True) for n in names}
         impls = _impls()
         register()
-        tvm_ffi.register_global_func(CREATE, self._create, override=True)
+        tvm_ffi.register_global_func(CREATE, _reporting(CREATE, self._create), override=True)
         for name in _SUPPORTED:
-            tvm_ffi.register_global_func(name, _dispatching(name, impls[name], self._originals[name]), override=True)
+            func = _dispatching(name, _reporting(name, impls[name]), self._originals[name])
+            tvm_ffi.register_global_func(name, func, override=True)
         for name, why in UNSUPPORTED.items():
-            tvm_ffi.register_global_func(
-                name, _dispatching(name, _unsupported(name, why), self._originals[name]), override=True
-            )
+            func = _dispatching(name, _reporting(name, _unsupported(name, why)), self._originals[name])
+            tvm_ffi.register_global_func(name, func, override=True)
         return self
 
     def uninstall(self) -> None:
@@ -362,7 +428,7 @@ class TvmBuiltinOverride:
         """tvmkv constructor arguments from ``paged_attention_kv_cache_create``'s arguments.
 
         Raises NotImplementedError for what tvmkv lacks: MLA layers mixed with other kinds,
-        ``qk_head_dim != v_head_dim`` outside MLA, disaggregation, several pipeline stages.
+        ``qk_head_dim != v_head_dim`` outside MLA, disaggregation.
         """
         if len(args) < 13:
             raise TypeError(f"{CREATE} expects TVM 0.27's 28 arguments, got {len(args)}")
@@ -370,6 +436,7 @@ class TvmBuiltinOverride:
         sizes = [int(x) for x in sizes]
         max_batch, max_total, chunk, page_size, sliding = sizes[:5]
         kinds = [int(k) for k in kinds]
+        first, end = _stage_layers([int(x) for x in partition], len(kinds))
         mla: dict = {}
         if _ATTN_KIND_MLA in kinds:
             if any(k != _ATTN_KIND_MLA for k in kinds):
@@ -397,7 +464,8 @@ class TvmBuiltinOverride:
                     f"attention kinds {kinds} have a per-layer sliding window layer, but the cache config {sizes} "
                     "gives no positive layer_sliding_window_size (its 6th entry)"
                 )
-            layer_windows = [sizes[5] if k == _ATTN_KIND_MHA_SLIDING else 0 for k in kinds]
+            mine = kinds[first:end] if len(kinds) > 1 else kinds * (end - first)  # this stage's layers
+            layer_windows = [sizes[5] if k == _ATTN_KIND_MHA_SLIDING else 0 for k in mine]
         if int(qk_dim) != int(v_dim):
             raise NotImplementedError(f"qk_head_dim {qk_dim} != v_head_dim {v_dim}: tvmkv uses one head_dim")
         if bool(disagg):
@@ -407,12 +475,8 @@ class TvmBuiltinOverride:
             if int(rope) != 1:
                 raise ValueError(f"rope_ext_factors need rope_mode 1 (normal), got {rope} (TVM refuses it too)")
             rope_scaling = rope_scaling.with_ext_factors(ext.numpy())
-        partition = [int(x) for x in partition]
-        if len(partition) != 2 or partition[0] != 0:
-            raise NotImplementedError(f"layer_partition {partition}: tvmkv holds all layers in one stage")
         if int(rope) not in _ROPE_MODES:
             raise ValueError(f"rope_mode {rope} is not 0 (none), 1 (normal) or 2 (inline)")
-        num_layers = partition[1]
         dev_type = ref.device.dlpack_device_type()
         if dev_type == 1:
             target = "llvm"
@@ -424,7 +488,8 @@ class TvmBuiltinOverride:
         else:
             raise NotImplementedError(f"device {ref.device}: tvmkv runs on CPU (llvm) and CUDA only")
         return dict(
-            num_layers=num_layers,
+            num_layers=end - first,
+            first_layer=first,
             num_qo_heads=int(hq),
             num_kv_heads=int(hkv),
             head_dim=int(qk_dim),

@@ -100,6 +100,7 @@ class TinyLlama(nn.Module):
     def __init__(self, cfg: LlamaConfig, *, target_kind: str = "llvm", tensor_parallel: int = 1):
         self.cfg = cfg
         self.target_kind = target_kind
+        self.tensor_parallel = tensor_parallel
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, tensor_parallel) for i in range(cfg.num_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
@@ -114,11 +115,15 @@ class TinyLlama(nn.Module):
     def create_paged_kv_cache(
         self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window
     ):
-        """TVM's interface: a ``TIRPagedKVCache`` (RoPE "normal") sized at run time, as MLC-LLM models do."""
+        """TVM's interface: a ``TIRPagedKVCache`` (RoPE "normal") sized at run time, as MLC-LLM models do;
+        a tensor-parallel shard's holds the heads of its shard (:class:`tvmkv.ShardLayout`)."""
         import tvm
         from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 
+        from ..runtime.sharding import ShardLayout
+
         cfg = self.cfg
+        lay = ShardLayout(cfg.num_qo_heads, cfg.num_kv_heads, self.tensor_parallel)
         return TIRPagedKVCache(
             attn_kind="mha",
             max_batch_size=max_batch_size,
@@ -128,8 +133,8 @@ class TinyLlama(nn.Module):
             support_sliding_window=support_sliding_window,
             layer_partition=rx.ShapeExpr([0, cfg.num_layers]),
             num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_qo_heads,
-            num_key_value_heads=cfg.num_kv_heads,
+            num_attention_heads=lay.qo_per_shard,
+            num_key_value_heads=lay.kv_per_shard,
             qk_head_dim=cfg.head_dim,
             v_head_dim=cfg.head_dim,
             mla_original_qk_head_dim=0,

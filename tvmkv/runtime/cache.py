@@ -110,6 +110,10 @@ class PagedAttentionKVCache:
     device_id : int
         The GPU (``cuda:device_id``) that holds the pages and runs the kernels; 0 on the CPU. Each
         tensor-parallel worker passes its own (docs/layout.md, "Tensor parallelism"). Default 0.
+    first_layer : int
+        A pipeline stage's cache: it holds the model's layers ``[first_layer, first_layer + num_layers)``
+        and every call names a layer by its id in the whole model (TVM's ``layer_indptr``;
+        docs/layout.md, "Pipeline stages"). Default 0.
     num_pages : int, optional
         Pages per layer; default ``ceil(max_total_seq_len / page_size) + max_batch_size``.
     memory_fraction : float, optional
@@ -163,6 +167,7 @@ class PagedAttentionKVCache:
         support_sliding_window=False,
         target="llvm",
         device_id=0,
+        first_layer=0,
         num_pages=None,
         memory_fraction=None,
         decode_splits=None,
@@ -193,6 +198,7 @@ class PagedAttentionKVCache:
             support_sliding_window=support_sliding_window,
             target=target,
             device_id=device_id,
+            first_layer=first_layer,
             num_pages=num_pages,
             memory_fraction=memory_fraction,
             decode_splits=decode_splits,
@@ -628,7 +634,8 @@ class PagedAttentionKVCache:
         Parameters
         ----------
         layer_id : int
-            Layer in ``[0, num_layers)``.
+            The model's layer id: in ``[first_layer, first_layer + num_layers)``, which is
+            ``[0, num_layers)`` but for a pipeline stage.
         qkv : numpy.ndarray | torch.Tensor | tvm.runtime.Tensor
             ``[total_new_tokens, H_qo + 2 H_kv, D]`` of the cache dtype, tokens in ``begin_forward``
             order (docs/layout.md, "Fused qkv"), on the cache's device (NumPy is copied over).
@@ -650,9 +657,9 @@ class PagedAttentionKVCache:
                 "attention_with_fused_qkv on an MLA cache: append the latent with append_mla_kv and attend with "
                 "cross_attention (+ self_attention / merge_attn_output_inplace in a prefill)"
             )
-        layer = layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")
+        layer = (layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")) - cfg.first_layer
         if not 0 <= layer < cfg.num_layers:
-            raise ValueError(f"layer_id {layer} is out of range [0, {cfg.num_layers})")
+            raise self._layer_error(layer_id)
         sm_scale = self._default_sm_scale if sm_scale is None else self._sm_scale(sm_scale)
         window = self._windows[layer]
         if self._tvm_ok(qkv, fwd.qkv_shape) and (out is None or self._tvm_ok(out, fwd.o_shape)):
@@ -752,7 +759,8 @@ class PagedAttentionKVCache:
         Parameters
         ----------
         layer_id : int
-            Layer in ``[0, num_layers)`` (selects its per-layer window).
+            The model's layer id, in ``[first_layer, first_layer + num_layers)`` (selects its per-layer
+            window).
         q : array
             ``[total_new_tokens, H_qo, D]`` of the cache dtype, tokens in ``begin_forward`` order.
         k, v : array
@@ -901,7 +909,8 @@ class PagedAttentionKVCache:
         Parameters
         ----------
         layer_id : int
-            Layer in ``[0, num_layers)``.
+            The model's layer id: in ``[first_layer, first_layer + num_layers)``, which is
+            ``[0, num_layers)`` but for a pipeline stage.
         kv : array
             ``[total_new_tokens, kv_lora_rank + qk_rope_head_dim]`` of the cache dtype, tokens in
             ``begin_forward`` order: each token's compressed latent, then its rotated key part.
@@ -976,10 +985,16 @@ class PagedAttentionKVCache:
         return self._fwd
 
     def _layer(self, layer_id) -> int:
-        layer = layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")
+        """The index into this cache's layers of the model's layer ``layer_id`` (checked)."""
+        layer = (layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")) - self.config.first_layer
         if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"layer_id {layer} is out of range [0, {self.config.num_layers})")
+            raise self._layer_error(layer_id)
         return layer
+
+    def _layer_error(self, layer_id) -> ValueError:
+        first, n = self.config.first_layer, self.config.num_layers
+        stage = f" (this cache is the pipeline stage of layers {first} .. {first + n - 1})" if first else ""
+        return ValueError(f"layer_id {layer_id} is out of range [{first}, {first + n}){stage}")
 
     def _check_kind(self, x, name: str, kind: str, source: str) -> None:
         if tensors.array_kind(x) != kind:
@@ -1682,6 +1697,7 @@ def make_config(
     support_sliding_window=False,
     target="llvm",
     device_id=0,
+    first_layer=0,
     num_pages=None,
     memory_fraction=None,
     decode_splits=None,
@@ -1744,6 +1760,7 @@ def make_config(
         target_kind=kind,
         cuda_arch=arch,
         device_id=device_id,
+        first_layer=first_layer,
         num_pages=num_pages,
         decode_splits=decode_splits,
         stable_decode_splits=stable_decode_splits,
