@@ -8,6 +8,8 @@ parent's second most likely token (the parent takes the first), then both decode
 the prompt's pages. Every step's logits are checked against :mod:`tvmkv.relax.torch_ref`, which
 recomputes each whole sequence without a cache. Exit status 1 when any check fails.
 
+``--model DIR --prompt TEXT`` serves a Hugging Face checkpoint instead (:mod:`tvmkv.hf_generate`).
+
 Steps are planned by :class:`tvmkv.runtime.scheduler.Scheduler`. ``--num-pages N`` makes the pool
 too small for the workload: the scheduler then preempts the newest sequences (``--preemption swap``:
 K/V to host memory and back; ``recompute``: dropped and prefilled again) and resumes them in FIFO
@@ -437,7 +439,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--head-dim", type=int, choices=(64, 128), default=64)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--prefill-chunk-size", type=int, default=32)
+    p.add_argument(
+        "--prefill-chunk-size", type=int, default=None, help="most tokens of one forward (default 32; 512 with --model)"
+    )
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -483,6 +487,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-check", action="store_true", help="skip the PyTorch reference check")
     p.add_argument("--build-dir", default=None, help=f"tvmkv's {BUILD_DIR_HELP}; here: {default_build_dir()}")
+    hf = p.add_argument_group("a Hugging Face checkpoint (instead of the tiny model)")
+    hf.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a checkpoint directory (config.json, *.safetensors, tokenizer.json): Llama 2/3.x, Mistral, Qwen2, "
+        "Qwen3; the generated text is streamed to stdout",
+    )
+    hf.add_argument("--prompt", default=None, help="the text to continue (in the chat template where there is one)")
+    hf.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    hf.add_argument("--no-chat-template", action="store_true", help="encode the prompt as it is")
+    hf.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens tokens, past end-of-text")
+    hf.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="size the cache to this fraction of the device's free memory (default: the sequence's pages)",
+    )
+    hf.add_argument(
+        "--check",
+        action="store_true",
+        help="compare every step's logits with transformers' own model of the checkpoint (needs transformers)",
+    )
+    hf.add_argument(
+        "--save-logits",
+        default=None,
+        metavar="NPZ",
+        help="write the prompt ids, new tokens and every step's logits (a runtime-only GPU host without "
+        "transformers: check them elsewhere with scripts/check_hf_logits.py)",
+    )
     p.add_argument(
         "--export-lib",
         default=None,
@@ -535,6 +570,17 @@ def _check_options(args) -> str | None:
     from tvmkv.config import CacheConfig
     from tvmkv.relax.llama_config import LlamaConfig
 
+    model_only = {
+        "--prompt": args.prompt is not None,
+        "--check": args.check,
+        "--save-logits": args.save_logits is not None,
+        "--memory-fraction": args.memory_fraction is not None,
+        "--no-chat-template": args.no_chat_template,
+        "--ignore-eos": args.ignore_eos,
+    }
+    named = [flag for flag, on in model_only.items() if on]
+    if named:
+        return f"{', '.join(named)} apply to --model DIR (a Hugging Face checkpoint) only"
     positive = {
         "--layers": args.layers,
         "--page-size": args.page_size,
@@ -581,6 +627,33 @@ def _check_options(args) -> str | None:
         return f"{err} (options --page-size, --prefill-chunk-size, --max-batch-size, --num-pages)"
     if args.model_lib:
         return _check_model_lib(Path(args.model_lib), _model_key(cfg, args.interface, args.target))
+    return None
+
+
+def _check_model_options(args) -> str | None:
+    """What ``--model`` does not combine with, and its own values."""
+    if args.prompt is None:
+        return "--model needs --prompt TEXT (the text to continue)"
+    others = {
+        "--tensor-parallel": args.tensor_parallel != 1,
+        "--interface tvm": args.interface == "tvm",
+        "--prefix-cache": args.prefix_cache,
+        "--system-prompt": args.system_prompt is not None,
+    }
+    named = [flag for flag, on in others.items() if on]
+    if named:
+        return f"--model serves one prompt through tvmkv's own interface; not with {', '.join(named)}"
+    for flag, value in {
+        "--max-new-tokens": args.max_new_tokens,
+        "--page-size": args.page_size,
+        "--prefill-chunk-size": args.prefill_chunk_size,
+    }.items():
+        if value <= 0:
+            return f"{flag} {value} must be a positive int"
+    if args.num_pages is not None and args.memory_fraction is not None:
+        return "pass --num-pages or --memory-fraction, not both"
+    if args.export_lib and args.model_lib:
+        return "pass --export-lib (compile and write the model) or --model-lib (run a written one), not both"
     return None
 
 
@@ -675,6 +748,15 @@ def _sizes(args, requests) -> dict:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.prefill_chunk_size is None:
+        args.prefill_chunk_size = 512 if args.model else 32
+    if args.model is not None:
+        problem = _check_model_options(args)
+        if problem is not None:
+            return _fail(problem)
+        from tvmkv.hf_generate import main as generate_model
+
+        return generate_model(args)
     problem = _check_options(args)
     if problem is not None:
         return _fail(problem)

@@ -47,6 +47,13 @@ def make_weights(cfg: LlamaConfig) -> dict[str, np.ndarray]:
         w[p + "input_layernorm.weight"] = norm(H)
         w[p + "self_attn.qkv_proj.weight"] = linear(cfg.qkv_heads * D, H)
         w[p + "self_attn.o_proj.weight"] = linear(H, cfg.num_qo_heads * D)
+        if cfg.qkv_bias:
+            w[p + "self_attn.qkv_proj.bias"] = (0.1 * rng.standard_normal(cfg.qkv_heads * D)).astype(np.float32)
+        if cfg.o_bias:
+            w[p + "self_attn.o_proj.bias"] = (0.1 * rng.standard_normal(H)).astype(np.float32)
+        if cfg.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = norm(D)
+            w[p + "self_attn.k_norm.weight"] = norm(D)
         w[p + "post_attention_layernorm.weight"] = norm(H)
         w[p + "mlp.gate_up_proj.weight"] = linear(2 * I, H)
         w[p + "mlp.down_proj.weight"] = linear(H, I)
@@ -72,7 +79,7 @@ def shard_weights(weights: dict, cfg: LlamaConfig, shards: int, shard: int) -> d
     i0, i1 = shard * I // shards, (shard + 1) * I // shards
     out = {}
     for name, w in weights.items():
-        if name.endswith("self_attn.qkv_proj.weight"):
+        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
             w = w[rows]
         elif name.endswith("self_attn.o_proj.weight"):
             w = w[:, q_cols]

@@ -20,8 +20,8 @@ class Linear(nn.Linear):
     costs about 1e-2 of logit accuracy.)
     """
 
-    def __init__(self, in_features: int, out_features: int, dtype: str):
-        super().__init__(in_features, out_features, bias=False, dtype=dtype, out_dtype="float32")
+    def __init__(self, in_features: int, out_features: int, dtype: str, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, out_dtype="float32")
         self.model_dtype = dtype
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
@@ -43,15 +43,26 @@ class LlamaAttention(nn.Module):
         from ..runtime.sharding import ShardLayout
 
         lay = ShardLayout(cfg.num_qo_heads, cfg.num_kv_heads, shards)
+        if shards > 1 and cfg.o_bias:
+            raise NotImplementedError(
+                "an output projection bias with tensor_parallel > 1 (it would be summed per shard)"
+            )
         self.cfg, self.layer_id, self.shards = cfg, layer_id, shards
-        self.num_qo_heads, self.qkv_heads = lay.qo_per_shard, lay.qo_per_shard + 2 * lay.kv_per_shard
-        self.qkv_proj = Linear(cfg.hidden_size, self.qkv_heads * cfg.head_dim, cfg.dtype)
-        self.o_proj = Linear(self.num_qo_heads * cfg.head_dim, cfg.hidden_size, cfg.dtype)
+        self.num_qo_heads, self.num_kv_heads = lay.qo_per_shard, lay.kv_per_shard
+        self.qkv_heads = lay.qo_per_shard + 2 * lay.kv_per_shard
+        self.qkv_proj = Linear(cfg.hidden_size, self.qkv_heads * cfg.head_dim, cfg.dtype, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.num_qo_heads * cfg.head_dim, cfg.hidden_size, cfg.dtype, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: each head's q and k normalized (one weight of head_dim each) before RoPE
+            self.q_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
 
     def forward(self, x: nn.Tensor, paged_kv_cache) -> nn.Tensor:
         cfg = self.cfg
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.qkv_heads, cfg.head_dim))  # [b, s, H_qo + 2 H_kv, D]
+        if cfg.qk_norm:
+            q, k, v = op.split(qkv, [self.num_qo_heads, self.num_qo_heads + self.num_kv_heads], axis=2)
+            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
         o = paged_kv_cache.attention_with_fused_qkv(self.layer_id, qkv, self.num_qo_heads, cfg.sm_scale)
         return _all_reduce(self.o_proj(op.reshape(o, (b, s, self.num_qo_heads * cfg.head_dim))), self.shards)
 

@@ -1,0 +1,252 @@
+"""``python -m tvmkv generate --model DIR --prompt TEXT``: a Hugging Face checkpoint served through tvmkv.
+
+The checkpoint's config, weights and tokenizer are read by :mod:`tvmkv.relax.hf`; the Llama-family Relax
+model is compiled for the target with those shapes and runs its attention on a
+:class:`tvmkv.PagedAttentionKVCache` (RoPE, its scaling and sliding windows applied by the cache). The
+prompt (in the checkpoint's chat template, unless ``--no-chat-template``) is prefilled in chunks, then
+tokens are decoded greedily and streamed to the terminal as text, with tokens/s at the end.
+``--check`` runs ``transformers``' own model of the checkpoint beside it (its forward with its cache, the
+same tokens) and compares every step's logits: exit status 1 when they differ beyond the dtype's
+tolerance or a greedy token differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+TOLERANCE = {"float32": 1e-3, "float16": 5e-2}  # max |logit difference| from transformers (fp32 reference)
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` produced: the new tokens, seconds of the prefill (time to first token) and
+    of the decode steps, and (``keep_logits``) the logits of every position fed, prompt first."""
+
+    tokens: list
+    prefill_s: float
+    decode_s: float
+    logits: list = field(default_factory=list)
+
+
+def generate(model, cache, prompt_ids, max_new_tokens, *, prefill_chunk, eos=(), on_token=None, keep_logits=False):
+    """Greedy generation of up to ``max_new_tokens`` after ``prompt_ids`` on ``model`` (a
+    :class:`~tvmkv.relax.llama.RelaxLlama`) and ``cache`` (sequence 0, removed at the end); stops after an
+    ``eos`` token. ``on_token(token)`` is called for each new token as it is chosen."""
+    seq = 0
+    cache.add_sequence(seq)
+    kept: list = []
+    try:
+        t0 = time.perf_counter()
+        last = np.zeros(0)
+        for start in range(0, len(prompt_ids), prefill_chunk):
+            chunk = prompt_ids[start : start + prefill_chunk]
+            cache.begin_forward([seq], [len(chunk)])
+            logits = model.forward(chunk, cache)
+            cache.end_forward()
+            if keep_logits:
+                kept.append(logits)
+            last = logits[-1]
+        prefill_s = time.perf_counter() - t0
+        tokens: list = []
+        t0 = time.perf_counter()
+        while True:
+            token = int(np.argmax(last))
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if len(tokens) == max_new_tokens or token in eos:
+                break
+            cache.begin_forward([seq], [1])
+            logits = model.forward([token], cache)
+            cache.end_forward()
+            if keep_logits:
+                kept.append(logits)
+            last = logits[-1]
+        decode_s = time.perf_counter() - t0
+    finally:
+        cache.remove_sequence(seq)
+    return Generation(tokens, prefill_s, decode_s, kept)
+
+
+def reference_logits(directory: str | Path, prompt_ids: list, tokens: list) -> np.ndarray:
+    """``transformers``' logits (float32, ``[len(prompt_ids) + len(tokens) - 1, V]``) of the checkpoint for
+    the prompt and then each new token but the last, fed one at a time with its own KV cache, as
+    :func:`generate` feeds them."""
+    import inspect
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    hf.eval()
+    # the cache's keyword: "cache" in transformers >= 5.2x, "past_key_values" before
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    rows = []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt_ids]), use_cache=True)
+        rows.append(out.logits[0].numpy())
+        for token in tokens[:-1]:
+            out = hf(torch.tensor([[token]]), use_cache=True, **{key: getattr(out, key)})
+            rows.append(out.logits[0].numpy())
+    return np.concatenate(rows)
+
+
+def main(args: argparse.Namespace) -> int:
+    """The ``--model`` path of ``python -m tvmkv generate`` (``args`` from its parser)."""
+    from tvmkv.payload import bootstrap
+
+    bootstrap()
+    import tvm
+
+    import tvmkv
+    from tvmkv.relax import hf
+    from tvmkv.relax.builtins import cuda_target
+    from tvmkv.relax.llama import RelaxLlama, compile_llama
+    from tvmkv.target import default_cuda_arch
+
+    def fail(message: str) -> int:
+        print(f"tvmkv generate: error: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        ck = hf.read_config(args.model, args.dtype)
+        tokenizer = hf.Tokenizer(args.model)
+    except hf.CheckpointError as err:
+        return fail(str(err))
+    cfg = ck.cfg
+    if args.target == "cuda" and not tvm.cuda(0).exist and not args.export_lib:
+        return fail("--target cuda but no CUDA device is present; use --target llvm")
+    prompt_ids = tokenizer.encode(args.prompt, chat=not args.no_chat_template)
+    if not prompt_ids:
+        return fail("the prompt encodes to no tokens; pass a non-empty --prompt")
+    need = len(prompt_ids) + args.max_new_tokens
+    if need > ck.max_position_embeddings:
+        return fail(
+            f"{len(prompt_ids)} prompt tokens + --max-new-tokens {args.max_new_tokens} = {need} exceed the model's "
+            f"max_position_embeddings {ck.max_position_embeddings}; shorten the prompt or lower --max-new-tokens"
+        )
+    device = tvm.cpu(0) if args.target == "llvm" else tvm.cuda(0)
+    arch = args.cuda_arch
+    if args.target == "cuda" and arch is None:
+        arch = "sm_" + device.compute_version.replace(".", "") if device.exist else default_cuda_arch()
+    print(
+        f"[tvmkv generate] {ck.architecture} from {ck.directory}: {cfg.num_layers} layers, {cfg.num_qo_heads} / "
+        f"{cfg.num_kv_heads} heads of {cfg.head_dim}, vocabulary {cfg.vocab_size}, {cfg.dtype} on {args.target}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    key = {"checkpoint_model": asdict(cfg), "target": args.target}
+    if args.model_lib:  # compiled elsewhere (a runtime-only GPU host cannot compile)
+        meta_path = Path(args.model_lib).with_suffix(".json")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError) as err:
+            return fail(f"--model-lib {args.model_lib}: no readable {meta_path.name} beside it ({err})")
+        if meta.get("model") != json.loads(json.dumps(key)):
+            return fail(
+                f"--model-lib {args.model_lib} was exported for another checkpoint, dtype or target; export it again "
+                "with --model DIR --export-lib PATH (and this run's --dtype and --target)"
+            )
+        ex, names = tvm.runtime.load_module(args.model_lib), meta["param_names"]
+    else:
+        ex, names = compile_llama(cfg, target=args.target, cuda_arch=arch)
+    if args.export_lib:
+        ex.export_library(args.export_lib)
+        Path(args.export_lib).with_suffix(".json").write_text(json.dumps({"param_names": names, "model": key}))
+        print(f"  wrote {args.export_lib} (run it with --model-lib {args.export_lib})")
+        return 0
+    try:
+        weights = hf.load_weights(ck, names)
+    except hf.CheckpointError as err:
+        return fail(str(err))
+    print(f"  compiled and loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+    options = dict(
+        page_size=args.page_size,
+        max_batch_size=1,
+        max_total_seq_len=need,
+        prefill_chunk_size=args.prefill_chunk_size,
+        dtype=cfg.dtype,
+        rope_mode="normal",
+        rope_scale=cfg.rope_scale,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        layer_windows=list(cfg.layer_windows) or None,
+        target=args.target if args.target == "llvm" else cuda_target(arch),
+        build_dir=args.build_dir,
+    )
+    if args.memory_fraction is not None:
+        options["memory_fraction"] = args.memory_fraction
+    else:
+        options["num_pages"] = args.num_pages
+    try:
+        cache = tvmkv.PagedAttentionKVCache(cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **options)
+    except ValueError as err:
+        return fail(f"{err} (the sequence needs {need} tokens)")
+    model = RelaxLlama(ex, names, weights, cfg, device)
+    del weights
+    printed = [""]
+    out: list = []
+
+    def stream(token: int) -> None:
+        out.append(token)
+        text = tokenizer.decode(out)
+        if text.startswith(printed[0]):
+            sys.stdout.write(text[len(printed[0]) :])
+            sys.stdout.flush()
+            printed[0] = text
+
+    gen = generate(
+        model,
+        cache,
+        prompt_ids,
+        args.max_new_tokens,
+        prefill_chunk=args.prefill_chunk_size,
+        eos=() if args.ignore_eos else ck.eos_token_ids,
+        on_token=stream,
+        keep_logits=args.check or bool(args.save_logits),
+    )
+    print()
+    decoded = len(gen.tokens) - 1  # the first token comes from the prefill
+    rate = f"{decoded / gen.decode_s:.1f} tokens/s" if decoded and gen.decode_s > 0 else "n/a"
+    print(
+        f"[tvmkv generate] {len(prompt_ids)} prompt tokens, time to first token {gen.prefill_s * 1e3:.1f} ms; "
+        f"{len(gen.tokens)} new tokens, decode {rate}"
+    )
+    if args.save_logits:
+        np.savez(
+            args.save_logits,
+            prompt_ids=np.asarray(prompt_ids),
+            tokens=np.asarray(gen.tokens),
+            logits=np.concatenate(gen.logits),
+            dtype=cfg.dtype,
+        )
+        print(f"  wrote {args.save_logits}")
+    if not args.check:
+        return 0
+    ok, report = check(ck.directory, prompt_ids, gen.tokens, np.concatenate(gen.logits), cfg.dtype)
+    print(report)
+    return 0 if ok else 1
+
+
+def check(directory: str | Path, prompt_ids: list, tokens: list, logits: np.ndarray, dtype: str) -> tuple:
+    """``(ok, report line)``: ``logits`` (every position fed, prompt first) against transformers' own model
+    of the checkpoint fed the same tokens; ok when within the dtype's tolerance and every greedy token is
+    transformers' argmax too."""
+    ref = reference_logits(directory, list(prompt_ids), list(tokens))
+    err = float(np.abs(logits - ref).max())
+    P = len(prompt_ids)
+    hf_tokens = [int(np.argmax(ref[P - 1 + i])) for i in range(len(tokens))]
+    tol = TOLERANCE[dtype]
+    same = hf_tokens == [int(t) for t in tokens]
+    ok = err <= tol and same
+    return ok, (
+        f"check against transformers: max |logit difference| {err:.2e} (tolerance {tol}) over {len(logits)} "
+        f"positions; greedy tokens {'identical' if same else 'DIFFER'}: {'OK' if ok else 'FAILED'}"
+    )
