@@ -72,11 +72,11 @@ def _weights(cfg, names, device, smoke: bool) -> list:
     import torch
     import tvm
 
-    from tvmkv.relax.llama import make_weights
+    from tvmkv.relax.llama import make_weights, param_dtype
 
     if smoke:
         w = make_weights(cfg)
-        return [tvm.runtime.tensor(w[n].astype(cfg.dtype), device) for n in names]
+        return [tvm.runtime.tensor(w[n].astype(param_dtype(n, cfg)), device) for n in names]
     H, D, V, I = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size  # noqa: E741
     shape_of = {
         "embed_tokens.weight": (V, H),

@@ -116,7 +116,7 @@ def run(src: Path, plugin: str | None, batches, steps: int, out: Path | None, sh
     import tvmkv
     from tvmkv.disco import DiscoKVCache, TvmkvSession
     from tvmkv.disco.model import DiscoLlama
-    from tvmkv.relax.llama import LlamaConfig, RelaxLlama, make_weights
+    from tvmkv.relax.llama import LlamaConfig, RelaxLlama, make_weights, param_dtype
 
     cfg = LlamaConfig(**shape)
     hq, hkv, d, layers = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
@@ -124,7 +124,7 @@ def run(src: Path, plugin: str | None, batches, steps: int, out: Path | None, sh
     ngpu = 4 if smoke else sum(tvm.cuda(i).exist for i in range(8))
     name = "CPU (smoke run)" if smoke else tvm.cuda(0).device_name
     t0 = time.perf_counter()
-    weights = {k: v.astype(cfg.dtype) for k, v in make_weights(cfg).items()}
+    weights = {k: v.astype(param_dtype(k, cfg)) for k, v in make_weights(cfg).items()}
     print(f"weights made in {time.perf_counter() - t0:.1f}s; {ngpu} x {name}", flush=True)
     rows = []
     rng = np.random.default_rng(0)

@@ -113,6 +113,39 @@ def test_generate_matches_transformers(tmp_path, capsys, kind, config):
     assert "time to first token" in out and "12 new tokens" in out
 
 
+def test_float16_with_biases(tmp_path, capsys):
+    """Qwen2 in float16 (its q/k/v biases stay float32, added to the float32 accumulator): every step within
+    the float16 tolerance of transformers' float32 forward, greedy tokens identical."""
+    d = make_checkpoint(tmp_path, "qwen2")
+    argv = ["--model", str(d), "--prompt", PROMPT, "--max-new-tokens", "6", "--dtype", "float16"]
+    assert main([*argv, "--ignore-eos", "--check"]) == 0
+    assert "greedy tokens identical: OK" in capsys.readouterr().out
+
+
+def test_a_failed_step_leaves_the_cache_as_it_was():
+    """A model that fails mid-generation: its error is raised (not one from the cleanup), the forward it
+    left open is closed and the sequence removed."""
+    from tvmkv.hf_generate import generate
+    from tvmkv.testing import make_cache
+
+    class Failing:
+        def __init__(self):
+            self.calls = 0
+
+        def forward(self, ids, cache):
+            self.calls += 1
+            if self.calls == 2:
+                raise ValueError("the second forward fails")
+            return np.zeros((len(ids), 8), np.float32)
+
+    cache = make_cache()
+    with pytest.raises(ValueError, match="the second forward fails"):
+        generate(Failing(), cache, [1, 2, 3], 5, prefill_chunk=2)
+    assert not cache.forward_open and cache.sequence_ids() == []
+    cache.check_integrity()
+    assert cache.num_available_pages() == cache.config.total_pages
+
+
 def test_sharded_checkpoint_and_chat_template(tmp_path):
     """A checkpoint saved in several safetensors shards (with its index) loads to the same weights as one
     file; the chat template renders to transformers' own token ids."""

@@ -70,8 +70,13 @@ def generate(model, cache, prompt_ids, max_new_tokens, *, prefill_chunk, eos=(),
                 kept.append(logits)
             last = logits[-1]
         decode_s = time.perf_counter() - t0
-    finally:
+    except BaseException:
+        # leave the cache as it was, the original error raised: close the forward a failure left open
+        if cache.forward_open:
+            cache.end_forward()
         cache.remove_sequence(seq)
+        raise
+    cache.remove_sequence(seq)
     return Generation(tokens, prefill_s, decode_s, kept)
 
 

@@ -36,7 +36,7 @@ def _load_shard(weights_path: str, config: str, names: str, device_type: str, de
         import tvm
         from tvm_ffi import get_global_func
 
-        from ..relax.llama import shard_weights
+        from ..relax.llama import param_dtype, shard_weights
         from ..relax.llama_config import LlamaConfig
 
         cfg = LlamaConfig(**json.loads(config))
@@ -45,7 +45,7 @@ def _load_shard(weights_path: str, config: str, names: str, device_type: str, de
             full = {k: npz[k] for k in npz.files}
         mine = shard_weights(full, cfg, world, rank)
         dev = _device(device_type, device_ids)
-        return [tvm.runtime.tensor(mine[n].astype(cfg.dtype), dev) for n in json.loads(names)]
+        return [tvm.runtime.tensor(mine[n].astype(param_dtype(n, cfg)), dev) for n in json.loads(names)]
     except Exception as err:  # noqa: BLE001  (a raise would kill the worker)
         return f"{type(err).__name__}: {err}"  # LENGTH reports -1; the controller fetches this text
 

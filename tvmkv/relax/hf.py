@@ -218,10 +218,10 @@ def param_sources(cfg: LlamaConfig) -> dict:
 
 def load_weights(ck: Checkpoint, param_names: list) -> dict:
     """The model's parameters ``param_names`` (from :func:`~tvmkv.relax.llama.compile_llama`) as NumPy
-    arrays of the model dtype, read from the checkpoint's safetensors files (memory-mapped, one tensor at a
-    time). Every tensor the model needs must be there with its shape; every tensor there must be used
-    (but the ``rotary_emb.inv_freq`` buffers some checkpoints keep): otherwise one
-    :class:`CheckpointError` lists them all."""
+    arrays of the dtypes the model takes them in (:func:`~tvmkv.relax.llama.param_dtype`), read from the
+    checkpoint's safetensors files (memory-mapped, one tensor at a time). Every tensor the model needs must
+    be there with its shape, and every tensor there must be used (but the ``rotary_emb.inv_freq`` buffers
+    some checkpoints keep): otherwise one :class:`CheckpointError` lists them all."""
     import torch
     from safetensors import safe_open
 
@@ -247,7 +247,9 @@ def load_weights(ck: Checkpoint, param_names: list) -> dict:
         if extra:
             parts.append(f"unexpected {len(extra)}: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
         raise CheckpointError(f"{ck.directory} does not match its config.json ({ck.architecture}): {'; '.join(parts)}")
-    target = torch.float32 if cfg.dtype == "float32" else torch.float16
+    from .llama import param_dtype
+
+    dtypes = {"float32": torch.float32, "float16": torch.float16}
     handles: dict = {}
     out, wrong = {}, []
     try:
@@ -258,7 +260,7 @@ def load_weights(ck: Checkpoint, param_names: list) -> dict:
                 f = sources[hf]
                 if f not in handles:
                     handles[f] = safe_open(str(f), framework="pt")
-                tensors.append(handles[f].get_tensor(hf).to(target))
+                tensors.append(handles[f].get_tensor(hf).to(dtypes[param_dtype(name, cfg)]))
             t = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
             if tuple(t.shape) != shape:
                 wrong.append(f"{' + '.join(hf_names)}: {tuple(t.shape)} where the config gives {shape}")

@@ -23,7 +23,13 @@ import numpy as np
 
 from .llama_config import INTERFACES, LlamaConfig
 
-__all__ = ["INTERFACES", "LlamaConfig", "RelaxLlama", "compile_llama", "make_weights", "shard_weights"]
+__all__ = ["INTERFACES", "LlamaConfig", "RelaxLlama", "compile_llama", "make_weights", "param_dtype", "shard_weights"]
+
+
+def param_dtype(name: str, cfg: LlamaConfig) -> str:
+    """The dtype the compiled model takes parameter ``name`` in: a projection's bias is added to its float32
+    accumulator (:class:`~tvmkv.relax.llama_nn.Linear`), so it stays float32; the rest are ``cfg.dtype``."""
+    return "float32" if name.endswith("_proj.bias") else cfg.dtype
 
 
 def make_weights(cfg: LlamaConfig) -> dict[str, np.ndarray]:
@@ -199,7 +205,7 @@ class RelaxLlama:
         missing = [n for n in param_names if n not in weights]
         if missing:
             raise KeyError(f"weights lack {missing[:3]}...; build them with make_weights(cfg)")
-        self.params = [tvm.runtime.tensor(weights[n].astype(cfg.dtype), device) for n in param_names]
+        self.params = [tvm.runtime.tensor(weights[n].astype(param_dtype(n, cfg)), device) for n in param_names]
         self.vm = VirtualMachine(executable, device)
         self._forward = self.vm["forward"]
 

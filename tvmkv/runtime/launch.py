@@ -36,6 +36,11 @@ WIDEN_MIN_ROWS = 64
 # a decode layer is one launch where the library has paged_decode_append; False: split_rope_append + the
 # decode kernel instead (what libraries without it run; benchmarks set it to compare the two)
 ONE_LAUNCH_DECODE = True
+# ... but not in rope mode "normal" over 16-bit pages: that one-launch kernel rotates q and the new key itself
+# (175 registers against 128, and a stack frame for cos / sin), and on an H200 (32 / 8 heads of 128, fp16) it
+# took 224 µs a layer at 64 x 128 tokens and 225 at 32 x 1024 where the two launches take 34 and 54 (and
+# rope mode "none"'s one launch 30 and 50): bench/RESULTS.md, "Decode in rope mode normal"
+ONE_LAUNCH_ROTATING_DECODE = False
 
 
 class Widened(NamedTuple):
@@ -128,6 +133,8 @@ class Launcher:
                 f"{config.head_dim} {config.dtype} is outside the fast cuda decode layout); pass decode_splits=None "
                 "or 1"
             )
+        rotating = config.rope_mode == "normal" and not config.is_mla and not config.kernel_spec.fp8_pages
+        self._one_launch = ONE_LAUNCH_ROTATING_DECODE or not rotating  # (see ONE_LAUNCH_ROTATING_DECODE)
         cfg, n, empty = config, config.prefill_chunk_size, tvm.runtime.empty
         self._scratch_views: dict = {}
         self._part_bufs: tuple | None = None
@@ -362,7 +369,7 @@ class Launcher:
                 else:
                     fwd.kernels = (*fwd.kernels[:2], lib["paged_decode_split"])
                     fwd.merge = lib["merge_splits"]
-            fwd.single = self._single_launch(fwd) if ONE_LAUNCH_DECODE else ()
+            fwd.single = self._single_launch(fwd) if ONE_LAUNCH_DECODE and self._one_launch else ()
         elif kernel == "ragged_prefill_causal":
             fwd.paged = False
             fwd.attn_head = (s["q"], s["k"], s["v"], d["q_indptr"], d["q_pos"], d["q_tree"])
