@@ -193,7 +193,8 @@ def test_errors_name_what_and_the_fix(tmp_path, capsys):
     assert "not with --tensor-parallel" in err([*base, "--tensor-parallel", "2"])
     assert "not a directory" in err(["--model", str(tmp_path / "nowhere"), "--prompt", "x"])
     assert "exceed the model's max_position_embeddings 256" in err([*base[:-1], "1000"])
-    assert "gives 0 pages" in err([*base, "--memory-fraction", "1e-9"])
+    assert "--memory-fraction 1e-09 of cpu:0's free memory holds 0 tokens" in err([*base, "--memory-fraction", "1e-9"])
+    assert "--top-p 0.0 must be in (0, 1]" in err([*base, "--temperature", "1", "--top-p", "0"])
     _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     assert "rope_type 'yarn' (supported: default, linear, llama3)" in err(base)
     _edit_config(d, rope_parameters={"rope_type": "default", "rope_theta": 1e4}, architectures=["GPT2LMHeadModel"])
@@ -241,3 +242,34 @@ def test_exported_model_library_and_saved_logits(tmp_path, capsys):
     assert "exported for another checkpoint, dtype or target" in capsys.readouterr().err
     assert main(["--prompt", "x"]) == 2
     assert "--prompt apply to --model DIR" in capsys.readouterr().err
+
+
+def test_sampler_draws_from_the_kept_distribution():
+    """--temperature / --top-k / --top-p: draws against the softmax computed here in float64."""
+    from tvmkv.hf_generate import Sampler
+
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    assert Sampler()(logits) == 0 and Sampler(1.0, top_k=1)(logits) == 0  # greedy, and one token kept
+    draws = [Sampler(1.0, seed=s)(logits) for s in range(4000)]
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    top_p = Sampler(1.0, top_p=0.75, seed=1)
+    assert set(top_p(logits) for _ in range(500)) == {0, 1}  # 0.5 + 0.3 reach 0.75
+    top_k = Sampler(1.0, top_k=3, seed=2)
+    freq = np.bincount([top_k(logits) for _ in range(4000)], minlength=4) / 4000
+    np.testing.assert_allclose(freq, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], atol=0.03)
+    hot = Sampler(2.0, seed=3)  # temperature 2: probabilities proportional to sqrt(p)
+    freq = np.bincount([hot(logits) for _ in range(4000)], minlength=4) / 4000
+    want = np.sqrt([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(freq, want / want.sum(), atol=0.03)
+
+
+def test_sampled_generation_is_checked_and_repeatable(tmp_path, capsys):
+    d = make_checkpoint(tmp_path)
+    argv = ["--model", str(d), "--prompt", PROMPT, "--max-new-tokens", "8", "--ignore-eos", "--temperature", "0.8"]
+    assert main([*argv, "--top-p", "0.9", "--seed", "5", "--check"]) == 0
+    first = capsys.readouterr().out
+    assert "tokens sampled (not compared): OK" in first
+    assert main([*argv, "--top-p", "0.9", "--seed", "5"]) == 0
+    text = [line for line in first.splitlines() if not line.startswith(("[", " ", "check"))]
+    assert text and text[0] in capsys.readouterr().out  # the same seed draws the same text

@@ -498,6 +498,9 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("--prompt", default=None, help="the text to continue (in the chat template where there is one)")
     hf.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     hf.add_argument("--no-chat-template", action="store_true", help="encode the prompt as it is")
+    hf.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+    hf.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: all)")
+    hf.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching this probability")
     hf.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens tokens, past end-of-text")
     hf.add_argument(
         "--memory-fraction",
@@ -577,6 +580,7 @@ def _check_options(args) -> str | None:
         "--memory-fraction": args.memory_fraction is not None,
         "--no-chat-template": args.no_chat_template,
         "--ignore-eos": args.ignore_eos,
+        "--temperature / --top-k / --top-p": (args.temperature, args.top_k, args.top_p) != (0.0, 0, 1.0),
     }
     named = [flag for flag, on in model_only.items() if on]
     if named:

@@ -4,7 +4,8 @@ The checkpoint's config, weights and tokenizer are read by :mod:`tvmkv.relax.hf`
 model is compiled for the target with those shapes and runs its attention on a
 :class:`tvmkv.PagedAttentionKVCache` (RoPE, its scaling and sliding windows applied by the cache). The
 prompt (in the checkpoint's chat template, unless ``--no-chat-template``) is prefilled in chunks, then
-tokens are decoded greedily and streamed to the terminal as text, with tokens/s at the end.
+tokens are decoded (greedily, or sampled with ``--temperature`` / ``--top-k`` / ``--top-p``) and streamed to
+the terminal as text, with tokens/s at the end.
 ``--check`` runs ``transformers``' own model of the checkpoint beside it (its forward with its cache, the
 same tokens) and compares every step's logits: exit status 1 when they differ beyond the dtype's
 tolerance or a greedy token differs.
@@ -35,10 +36,22 @@ class Generation:
     logits: list = field(default_factory=list)
 
 
-def generate(model, cache, prompt_ids, max_new_tokens, *, prefill_chunk, eos=(), on_token=None, keep_logits=False):
-    """Greedy generation of up to ``max_new_tokens`` after ``prompt_ids`` on ``model`` (a
-    :class:`~tvmkv.relax.llama.RelaxLlama`) and ``cache`` (sequence 0, removed at the end); stops after an
-    ``eos`` token. ``on_token(token)`` is called for each new token as it is chosen."""
+def generate(
+    model,
+    cache,
+    prompt_ids,
+    max_new_tokens,
+    *,
+    prefill_chunk,
+    eos=(),
+    on_token=None,
+    keep_logits=False,
+    sampler=None,
+):
+    """Generation of up to ``max_new_tokens`` after ``prompt_ids`` on ``model`` (a
+    :class:`~tvmkv.relax.llama.RelaxLlama`) and ``cache`` (sequence 0, removed at the end, also when a step
+    fails); stops after an ``eos`` token. Each token is ``sampler(logits)`` (default: the argmax, greedy);
+    ``on_token(token)`` is called for each new token as it is chosen."""
     seq = 0
     cache.add_sequence(seq)
     kept: list = []
@@ -57,7 +70,7 @@ def generate(model, cache, prompt_ids, max_new_tokens, *, prefill_chunk, eos=(),
         tokens: list = []
         t0 = time.perf_counter()
         while True:
-            token = int(np.argmax(last))
+            token = int(np.argmax(last)) if sampler is None else int(sampler(last))
             tokens.append(token)
             if on_token is not None:
                 on_token(token)
@@ -78,6 +91,40 @@ def generate(model, cache, prompt_ids, max_new_tokens, *, prefill_chunk, eos=(),
         raise
     cache.remove_sequence(seq)
     return Generation(tokens, prefill_s, decode_s, kept)
+
+
+class Sampler:
+    """Sampling from the logits: ``temperature`` > 0 scales them, then only the ``top_k`` most likely tokens
+    (0: all) and the smallest set of them whose probabilities reach ``top_p`` are kept; ``seed`` fixes the
+    draws. ``temperature`` 0 is greedy (the argmax)."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+        if not (temperature >= 0 and np.isfinite(temperature)):
+            raise ValueError(f"--temperature {temperature} must be a finite number >= 0 (0: greedy)")
+        if top_k < 0:
+            raise ValueError(f"--top-k {top_k} must be >= 0 (0: every token)")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"--top-p {top_p} must be in (0, 1]")
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.greedy:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / self.temperature
+        order = np.argsort(-z, kind="stable")
+        if self.top_k:
+            order = order[: self.top_k]
+        p = np.exp(z[order] - z[order[0]])
+        p /= p.sum()
+        # the smallest prefix reaching top_p (all of them for 1.0, whatever the rounding of the sum)
+        keep = len(p) if self.top_p >= 1 else min(len(p), int(np.searchsorted(np.cumsum(p), self.top_p) + 1))
+        p = p[:keep] / p[:keep].sum()
+        return int(order[self.rng.choice(keep, p=p)])
 
 
 def reference_logits(directory: str | Path, prompt_ids: list, tokens: list) -> np.ndarray:
@@ -114,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
     from tvmkv.relax import hf
     from tvmkv.relax.builtins import cuda_target
     from tvmkv.relax.llama import RelaxLlama, compile_llama
+    from tvmkv.runtime.cache import available_bytes
     from tvmkv.target import default_cuda_arch
 
     def fail(message: str) -> int:
@@ -126,6 +174,10 @@ def main(args: argparse.Namespace) -> int:
     except hf.CheckpointError as err:
         return fail(str(err))
     cfg = ck.cfg
+    try:
+        sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as err:
+        return fail(str(err))
     if args.target == "cuda" and not tvm.cuda(0).exist and not args.export_lib:
         return fail("--target cuda but no CUDA device is present; use --target llvm")
     prompt_ids = tokenizer.encode(args.prompt, chat=not args.no_chat_template)
@@ -171,7 +223,16 @@ def main(args: argparse.Namespace) -> int:
         weights = hf.load_weights(ck, names)
     except hf.CheckpointError as err:
         return fail(str(err))
-    print(f"  compiled and loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+    weight_bytes = sum(w.nbytes for w in weights.values())
+    free = available_bytes(device)
+    if weight_bytes > free:
+        return fail(
+            f"the weights need {weight_bytes / 2**30:.2f} GiB in {cfg.dtype} but {device} has {free / 2**30:.2f} GiB "
+            "free; free the device, or run a smaller model"
+        )
+    model = RelaxLlama(ex, names, weights, cfg, device)  # on the device before the cache sizes itself
+    del weights
+    print(f"  compiled and loaded in {time.perf_counter() - t0:.1f}s ({weight_bytes / 2**30:.2f} GiB)", flush=True)
     options = dict(
         page_size=args.page_size,
         max_batch_size=1,
@@ -190,12 +251,19 @@ def main(args: argparse.Namespace) -> int:
         options["memory_fraction"] = args.memory_fraction
     else:
         options["num_pages"] = args.num_pages
+    shape = (cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
+    if args.memory_fraction is not None:
+        fits = _tokens_that_fit(shape, options, args.memory_fraction, device)
+        if fits < need:
+            return fail(
+                f"--memory-fraction {args.memory_fraction} of {device}'s free memory holds {fits} tokens of this "
+                f"model's cache, but the prompt and --max-new-tokens need {need}: raise --memory-fraction, shorten "
+                "the prompt or lower --max-new-tokens"
+            )
     try:
-        cache = tvmkv.PagedAttentionKVCache(cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **options)
+        cache = tvmkv.PagedAttentionKVCache(*shape, **options)
     except ValueError as err:
         return fail(f"{err} (the sequence needs {need} tokens)")
-    model = RelaxLlama(ex, names, weights, cfg, device)
-    del weights
     printed = [""]
     out: list = []
 
@@ -216,6 +284,7 @@ def main(args: argparse.Namespace) -> int:
         eos=() if args.ignore_eos else ck.eos_token_ids,
         on_token=stream,
         keep_logits=args.check or bool(args.save_logits),
+        sampler=sampler,
     )
     print()
     decoded = len(gen.tokens) - 1  # the first token comes from the prefill
@@ -235,23 +304,38 @@ def main(args: argparse.Namespace) -> int:
         print(f"  wrote {args.save_logits}")
     if not args.check:
         return 0
-    ok, report = check(ck.directory, prompt_ids, gen.tokens, np.concatenate(gen.logits), cfg.dtype)
+    ok, report = check(
+        ck.directory, prompt_ids, gen.tokens, np.concatenate(gen.logits), cfg.dtype, greedy=sampler.greedy
+    )
     print(report)
     return 0 if ok else 1
 
 
-def check(directory: str | Path, prompt_ids: list, tokens: list, logits: np.ndarray, dtype: str) -> tuple:
+def check(
+    directory: str | Path, prompt_ids: list, tokens: list, logits: np.ndarray, dtype: str, *, greedy: bool = True
+) -> tuple:
     """``(ok, report line)``: ``logits`` (every position fed, prompt first) against transformers' own model
-    of the checkpoint fed the same tokens; ok when within the dtype's tolerance and every greedy token is
-    transformers' argmax too."""
+    of the checkpoint fed the same tokens; ok when within the dtype's tolerance and (``greedy``) every token
+    is transformers' argmax too."""
     ref = reference_logits(directory, list(prompt_ids), list(tokens))
     err = float(np.abs(logits - ref).max())
     P = len(prompt_ids)
     hf_tokens = [int(np.argmax(ref[P - 1 + i])) for i in range(len(tokens))]
     tol = TOLERANCE[dtype]
     same = hf_tokens == [int(t) for t in tokens]
-    ok = err <= tol and same
+    ok = err <= tol and (same or not greedy)
+    tokens_text = f"greedy tokens {'identical' if same else 'DIFFER'}" if greedy else "tokens sampled (not compared)"
     return ok, (
         f"check against transformers: max |logit difference| {err:.2e} (tolerance {tol}) over {len(logits)} "
-        f"positions; greedy tokens {'identical' if same else 'DIFFER'}: {'OK' if ok else 'FAILED'}"
+        f"positions; {tokens_text}: {'OK' if ok else 'FAILED'}"
     )
+
+
+def _tokens_that_fit(shape: tuple, options: dict, fraction: float, device: object) -> int:
+    """Tokens of the cache ``options`` describe that ``fraction`` of ``device``'s free memory holds."""
+    from tvmkv.runtime.cache import available_bytes, make_config
+
+    plain = {k: v for k, v in options.items() if k not in ("memory_fraction", "build_dir")}
+    cfg = make_config(*shape, **{**plain, "num_pages": None})
+    pages = int(available_bytes(device) * fraction) // (cfg.page_bytes * cfg.num_layers)
+    return pages * cfg.page_size
