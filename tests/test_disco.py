@@ -304,10 +304,6 @@ def test_dropin_on_every_worker_and_its_errors():
         with pytest.raises(KeyError, match="vm.builtin.kv_state_add_sequence on worker 0: .*seq_id 5 is already"):
             s.check_errors()
         s.check_errors()  # taken: nothing left
-        add(handle, 5)
-        with pytest.raises(KeyError, match=r"already in the cache.*\(an earlier call; the calls now issued did not"):
-            cache.add_sequence(6)  # the next DiscoKVCache call reports it, and does not run
-        assert cache.sequence_ids() == [5]
         cache.add_sequence(6)
         cache.check_integrity()
         with pytest.raises(ValueError, match="worker 0 holds 4 query / 1 KV heads"):
@@ -344,3 +340,43 @@ def test_pipeline_groups_hold_their_stage_layers():
         with pytest.raises(ValueError, match="1 pipeline stages but the cache is created in a Disco session of 2"):
             disco.DiscoKVCache.from_handle(s, bad, 8, 2)
         del bad, handle
+
+
+def test_sessions_in_one_process_keep_their_own_errors_and_override():
+    """Worker 0 of every session is a thread of this process: an error one session's worker 0 kept is not
+    another's, and one session's shutdown leaves the other's drop-in in place."""
+    with disco.TvmkvSession(2) as a:
+        a.install_tvm_override(num_pages=20)
+        with disco.TvmkvSession(2) as b:
+            b.install_tvm_override(num_pages=24)
+            ha = a.call("vm.builtin.paged_attention_kv_cache_create", *_create_args(a, [0, 4], (4, 1)))
+            hb = b.call("vm.builtin.paged_attention_kv_cache_create", *_create_args(b, [0, 4], (4, 1)))
+            ca, cb = (disco.DiscoKVCache.from_handle(x, h, 8, 2) for x, h in ((a, ha), (b, hb)))
+            assert (ca.config.total_pages, cb.config.total_pages) == (20, 24)  # each session's own options
+            add = a.session.get_global_func("vm.builtin.kv_state_add_sequence")
+            add(ha, 1)
+            add(ha, 1)  # fails on a's workers only
+            b.check_errors()  # nothing of a's
+            cb.add_sequence(1)
+            cb.check_integrity()
+            with pytest.raises(KeyError, match="seq_id 1 is already"):
+                a.check_errors()
+            del add, hb, cb
+        # b is shut down: a's drop-in still creates tvmkv shards
+        h2 = a.call("vm.builtin.paged_attention_kv_cache_create", *_create_args(a, [0, 4], (4, 1)))
+        assert disco.DiscoKVCache.from_handle(a, h2, 8, 2).config.total_pages == 20
+        del ha, ca, h2
+
+
+def test_a_refused_create_does_not_keep_the_session_alive():
+    """from_handle raising inside ``with``: no DRef in the traceback keeps the workers running."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "Disco workers still run after shutdown"
+        with pytest.raises(ValueError, match="layer_partition"):
+            with disco.TvmkvSession(2) as s:
+                s.install_tvm_override()
+                create = "vm.builtin.paged_attention_kv_cache_create"
+                disco.DiscoKVCache.from_handle(s, s.call(create, *_create_args(s, [0, 2, 4], (4, 1))), 8, 2)
+    assert all(p.poll() is not None for p in s.pool.procs.values())

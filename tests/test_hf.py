@@ -202,7 +202,7 @@ def test_errors_name_what_and_the_fix(tmp_path, capsys):
     _edit_config(d, architectures=["LlamaForCausalLM"], hidden_act="gelu", mlp_bias=True)
     assert "hidden_act 'gelu' (only silu); mlp_bias true" in err(base)
     _edit_config(d, hidden_act="silu", mlp_bias=False, num_key_value_heads=4)  # k/v rows no longer fit
-    assert "tensors of the wrong shape: model.layers.0.self_attn.q_proj.weight" in err(base)
+    assert "of the wrong shape: model.layers.0.self_attn.q_proj.weight + model.layers.0.self_attn.k_proj" in err(base)
     _edit_config(d, num_key_value_heads=2)
     from safetensors.torch import load_file, save_file
 
@@ -273,3 +273,55 @@ def test_sampled_generation_is_checked_and_repeatable(tmp_path, capsys):
     assert main([*argv, "--top-p", "0.9", "--seed", "5"]) == 0
     text = [line for line in first.splitlines() if not line.startswith(("[", " ", "check"))]
     assert text and text[0] in capsys.readouterr().out  # the same seed draws the same text
+
+
+def test_chat_template_runs_sandboxed(tmp_path, capsys):
+    """The checkpoint's chat template is the checkpoint's code: it renders in Jinja's sandbox, so one that
+    reaches for Python's internals is refused (and does nothing); transformers' helpers are there."""
+    d = make_checkpoint(tmp_path / "m")
+    victim = tmp_path / "pwned"
+    evil = "{{ cycler.__init__.__globals__.os.popen('touch " + str(victim) + "').read() }}"
+    (d / "chat_template.jinja").write_text(evil)
+    with pytest.raises(hf.CheckpointError, match="sandbox forbids"):
+        hf.Tokenizer(d).encode(PROMPT)
+    assert not victim.exists()
+    assert main(["--model", str(d), "--prompt", PROMPT, "--max-new-tokens", "2"]) == 2
+    assert "sandbox forbids" in capsys.readouterr().err
+    (d / "chat_template.jinja").write_text("{{ raise_exception('no system role here') }}")
+    with pytest.raises(hf.CheckpointError, match="no system role here.*--no-chat-template"):
+        hf.Tokenizer(d).encode(PROMPT)
+    (d / "chat_template.jinja").write_text("{{ strftime_now('%Y') }} {{ messages[0]['content'] }}")
+    import datetime
+
+    assert hf.Tokenizer(d).render("x") == f"{datetime.date.today().year} x"
+
+
+def test_text_stream_waits_for_whole_characters():
+    """A character split over byte-level tokens is written once whole (U+FFFD until then)."""
+    import io
+
+    from tvmkv.hf_generate import TextStream
+
+    pieces = {1: b"ok ", 2: "好".encode()[:2], 3: "好".encode()[2:], 4: b" then"}
+
+    def decode(ids):
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    out = io.StringIO()
+    stream = TextStream(decode, out)
+    for token in (1, 2, 3, 4):
+        stream(token)
+    assert out.getvalue() == "ok 好 then"
+
+
+def test_generate_refuses_nothing_to_generate():
+    from tvmkv.hf_generate import generate
+    from tvmkv.testing import make_cache
+
+    cache = make_cache()
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_new_tokens=.* must be a positive int"):
+            generate(None, cache, [1, 2], bad, prefill_chunk=4)
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        generate(None, cache, [], 3, prefill_chunk=4)
+    assert cache.sequence_ids() == []

@@ -52,6 +52,10 @@ def generate(
     :class:`~tvmkv.relax.llama.RelaxLlama`) and ``cache`` (sequence 0, removed at the end, also when a step
     fails); stops after an ``eos`` token. Each token is ``sampler(logits)`` (default: the argmax, greedy);
     ``on_token(token)`` is called for each new token as it is chosen."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    if not len(prompt_ids):
+        raise ValueError("prompt_ids is empty: a generation starts from at least one token")
     seq = 0
     cache.add_sequence(seq)
     kept: list = []
@@ -74,7 +78,7 @@ def generate(
             tokens.append(token)
             if on_token is not None:
                 on_token(token)
-            if len(tokens) == max_new_tokens or token in eos:
+            if len(tokens) >= max_new_tokens or token in eos:
                 break
             cache.begin_forward([seq], [1])
             logits = model.forward([token], cache)
@@ -125,6 +129,32 @@ class Sampler:
         keep = len(p) if self.top_p >= 1 else min(len(p), int(np.searchsorted(np.cumsum(p), self.top_p) + 1))
         p = p[:keep] / p[:keep].sum()
         return int(order[self.rng.choice(keep, p=p)])
+
+
+class TextStream:
+    """New tokens as text, written as they come: each token's text is what decoding all of them adds to
+    what was written. Text ending in an incomplete character (a byte-level token holding part of one,
+    which decodes as U+FFFD) waits for the tokens that complete it; where decoding changes text already
+    written, the rest is written from where they differ."""
+
+    def __init__(self, decode, out):
+        self.decode, self.out = decode, out
+        self.tokens: list = []
+        self.written = ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return
+        same = 0
+        for a, b in zip(text, self.written):
+            if a != b:
+                break
+            same += 1
+        self.out.write(text[same:] if same < len(self.written) else text[len(self.written) :])
+        self.out.flush()
+        self.written = text
 
 
 def reference_logits(directory: str | Path, prompt_ids: list, tokens: list) -> np.ndarray:
@@ -180,7 +210,10 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(err))
     if args.target == "cuda" and not tvm.cuda(0).exist and not args.export_lib:
         return fail("--target cuda but no CUDA device is present; use --target llvm")
-    prompt_ids = tokenizer.encode(args.prompt, chat=not args.no_chat_template)
+    try:
+        prompt_ids = tokenizer.encode(args.prompt, chat=not args.no_chat_template)
+    except hf.CheckpointError as err:
+        return fail(str(err))
     if not prompt_ids:
         return fail("the prompt encodes to no tokens; pass a non-empty --prompt")
     need = len(prompt_ids) + args.max_new_tokens
@@ -198,6 +231,47 @@ def main(args: argparse.Namespace) -> int:
         f"{cfg.num_kv_heads} heads of {cfg.head_dim}, vocabulary {cfg.vocab_size}, {cfg.dtype} on {args.target}",
         flush=True,
     )
+    # everything that can be judged before compiling: the tensors (from the safetensors headers), whether the
+    # weights and the cache fit the device
+    try:
+        weight_bytes = hf.check_weights(ck)
+    except hf.CheckpointError as err:
+        return fail(str(err))
+    if not args.export_lib:
+        free = available_bytes(device)
+        if weight_bytes > free:
+            return fail(
+                f"the weights need {weight_bytes / 2**30:.2f} GiB in {cfg.dtype} but {device} has "
+                f"{free / 2**30:.2f} GiB free; free the device, or run a smaller model"
+            )
+    options = dict(
+        page_size=args.page_size,
+        max_batch_size=1,
+        max_total_seq_len=need,
+        prefill_chunk_size=args.prefill_chunk_size,
+        dtype=cfg.dtype,
+        rope_mode="normal",
+        rope_scale=cfg.rope_scale,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        layer_windows=list(cfg.layer_windows) or None,
+        target=args.target if args.target == "llvm" else cuda_target(arch),
+        build_dir=args.build_dir,
+    )
+    if args.memory_fraction is not None:
+        options["memory_fraction"] = args.memory_fraction
+    else:
+        options["num_pages"] = args.num_pages
+    shape = (cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
+    if args.memory_fraction is not None and not args.export_lib:
+        # the cache sizes itself from the memory free once the weights are on the device
+        fits = _tokens_that_fit(shape, options, args.memory_fraction, device, reserved=weight_bytes)
+        if fits < need:
+            return fail(
+                f"--memory-fraction {args.memory_fraction} of {device}'s free memory holds {fits} tokens of this "
+                f"model's cache, but the prompt and --max-new-tokens need {need}: raise --memory-fraction, shorten "
+                "the prompt or lower --max-new-tokens"
+            )
     t0 = time.perf_counter()
     key = {"checkpoint_model": asdict(cfg), "target": args.target}
     if args.model_lib:  # compiled elsewhere (a runtime-only GPU host cannot compile)
@@ -223,57 +297,14 @@ def main(args: argparse.Namespace) -> int:
         weights = hf.load_weights(ck, names)
     except hf.CheckpointError as err:
         return fail(str(err))
-    weight_bytes = sum(w.nbytes for w in weights.values())
-    free = available_bytes(device)
-    if weight_bytes > free:
-        return fail(
-            f"the weights need {weight_bytes / 2**30:.2f} GiB in {cfg.dtype} but {device} has {free / 2**30:.2f} GiB "
-            "free; free the device, or run a smaller model"
-        )
     model = RelaxLlama(ex, names, weights, cfg, device)  # on the device before the cache sizes itself
     del weights
     print(f"  compiled and loaded in {time.perf_counter() - t0:.1f}s ({weight_bytes / 2**30:.2f} GiB)", flush=True)
-    options = dict(
-        page_size=args.page_size,
-        max_batch_size=1,
-        max_total_seq_len=need,
-        prefill_chunk_size=args.prefill_chunk_size,
-        dtype=cfg.dtype,
-        rope_mode="normal",
-        rope_scale=cfg.rope_scale,
-        rope_theta=cfg.rope_theta,
-        rope_scaling=cfg.rope_scaling,
-        layer_windows=list(cfg.layer_windows) or None,
-        target=args.target if args.target == "llvm" else cuda_target(arch),
-        build_dir=args.build_dir,
-    )
-    if args.memory_fraction is not None:
-        options["memory_fraction"] = args.memory_fraction
-    else:
-        options["num_pages"] = args.num_pages
-    shape = (cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
-    if args.memory_fraction is not None:
-        fits = _tokens_that_fit(shape, options, args.memory_fraction, device)
-        if fits < need:
-            return fail(
-                f"--memory-fraction {args.memory_fraction} of {device}'s free memory holds {fits} tokens of this "
-                f"model's cache, but the prompt and --max-new-tokens need {need}: raise --memory-fraction, shorten "
-                "the prompt or lower --max-new-tokens"
-            )
     try:
         cache = tvmkv.PagedAttentionKVCache(*shape, **options)
     except ValueError as err:
         return fail(f"{err} (the sequence needs {need} tokens)")
-    printed = [""]
-    out: list = []
-
-    def stream(token: int) -> None:
-        out.append(token)
-        text = tokenizer.decode(out)
-        if text.startswith(printed[0]):
-            sys.stdout.write(text[len(printed[0]) :])
-            sys.stdout.flush()
-            printed[0] = text
+    stream = TextStream(tokenizer.decode, sys.stdout)
 
     gen = generate(
         model,
@@ -331,11 +362,12 @@ def check(
     )
 
 
-def _tokens_that_fit(shape: tuple, options: dict, fraction: float, device: object) -> int:
-    """Tokens of the cache ``options`` describe that ``fraction`` of ``device``'s free memory holds."""
+def _tokens_that_fit(shape: tuple, options: dict, fraction: float, device: object, reserved: int = 0) -> int:
+    """Tokens of the cache ``options`` describe that ``fraction`` of ``device``'s free memory holds, once
+    ``reserved`` more bytes (the weights) are taken."""
     from tvmkv.runtime.cache import available_bytes, make_config
 
     plain = {k: v for k, v in options.items() if k not in ("memory_fraction", "build_dir")}
     cfg = make_config(*shape, **{**plain, "num_pages": None})
-    pages = int(available_bytes(device) * fraction) // (cfg.page_bytes * cfg.num_layers)
+    pages = int(max(0, available_bytes(device) - reserved) * fraction) // (cfg.page_bytes * cfg.num_layers)
     return pages * cfg.page_size

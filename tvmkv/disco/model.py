@@ -98,9 +98,12 @@ class DiscoLlama:
             LOAD, str(weights_path), json.dumps(asdict(cfg)), json.dumps(list(param_names)), *self._where
         )
         lengths = session.call(LENGTH, self.params)
-        for w in range(session.num_workers):
-            if int(session.fetch(lengths, w)) != len(param_names):
+        counts = [int(session.fetch(lengths, w)) for w in range(session.num_workers)]
+        del lengths
+        for w, count in enumerate(counts):
+            if count != len(param_names):
                 why = session.fetch(self.params, w)  # the worker's error text
+                self.module = self.params = None  # no DRef in the traceback keeps the session from ending
                 raise RuntimeError(
                     f"worker {w} could not load its {len(param_names)} weights from {weights_path}: {why}"
                 )
@@ -135,7 +138,12 @@ class DiscoLlama:
         ids_ref = self.session.call(TENSOR, ids.tobytes(), self._shape(ids.shape), "int32", *self._where)
         self.session.check_workers()
         logits = self._forward(ids_ref, cache.handle, self.params)
-        self.session.check_errors()  # what the cache's calls inside the model raised on a worker
+        del ids_ref
+        try:
+            self.session.check_errors()  # what the cache's calls inside the model raised on a worker
+        except BaseException:
+            logits = None  # no DRef in the traceback keeps the session from ending
+            raise
         # worker 0 is a thread of this process: its register holds the logits tensor itself, on its device
         # (Disco's copy_from_worker_0 staged 32 MB of logits at a few GB/s, 20-30 ms a step at batch 256)
         return self.session.fetch(logits, 0).numpy()[0]

@@ -122,7 +122,6 @@ class TvmkvSession:
         self.session = session
         self.num_workers, self.num_groups = num_workers, num_groups
         self.group_size = num_workers // num_groups  # workers per group: one pipeline stage's shards
-        self.override = False  # whether install_tvm_override made this process's vm.builtin.* tvmkv's
         # a session still open at interpreter exit would end in Disco's destructor during finalization,
         # which aborts: shut it down first (a weak reference, so this keeps nothing alive)
         atexit.register(_shutdown_at_exit, weakref.ref(self))
@@ -147,7 +146,6 @@ class TvmkvSession:
         except TypeError as err:
             raise TypeError(f"install_tvm_override options must be plain values: {err}") from None
         result = self.call(W.INSTALL_OVERRIDE, text)
-        self.override = True
         for w in range(self.num_workers):
             raise_error(str(self.fetch(result, w)), w)
 
@@ -250,9 +248,7 @@ class TvmkvSession:
         # this thread holds the GIL, so let it finish its queue first (else the two wait on each other)
         self.session.sync_worker_0()
         self.session = None  # Disco's destructor tells the workers to stop and joins worker 0
-        W.forget_thread(self._worker0_thread)
-        if self.override:
-            W.uninstall_override()  # worker 0's, in this process
+        W.forget_thread(self._worker0_thread)  # worker 0's state in this process (its override too)
         import tvm_ffi
 
         tvm_ffi.remove_global_func(self._pool_name)
@@ -398,8 +394,14 @@ class DiscoKVCache:
             raise TypeError(f"cache options must be plain values (numbers, strings, lists, dicts): {err}") from None
         self.handle = session.call(W.CREATE, spec)
         problems = session.call(W.ERROR)
-        for w in range(session.num_workers):  # a shard that failed on any worker fails the whole cache
-            raise_error(str(session.fetch(problems, w)), w)
+        texts = [str(session.fetch(problems, w)) for w in range(session.num_workers)]
+        del problems
+        try:
+            for w, text in enumerate(texts):  # a shard that failed on any worker fails the whole cache
+                raise_error(text, w)
+        except BaseException:
+            self.handle = None  # no DRef in the traceback keeps the session from ending
+            raise
         session.holders.add(self)
 
     @classmethod
@@ -412,11 +414,23 @@ class DiscoKVCache:
         :class:`~tvmkv.ShardLayout` gives its rank. A creation that failed on a worker is raised here."""
         self = cls.__new__(cls)
         self.session, self.handle = session, handle
-        self.layout = lay = ShardLayout(num_qo_heads, num_kv_heads, session.group_size)
         described = session.call(W.DESCRIBE, handle)
+        texts = [str(session.fetch(described, w)) for w in range(session.num_workers)]
+        del described
+        try:
+            self._adopt(texts, num_qo_heads, num_kv_heads)
+        except BaseException:
+            self.handle = handle = None  # no DRef in the traceback keeps the session from ending
+            raise
+        session.holders.add(self)
+        return self
+
+    def _adopt(self, texts: list, num_qo_heads, num_kv_heads) -> None:
+        """``from_handle``'s checks of the workers' descriptions; sets the layout and configuration."""
+        session = self.session
+        self.layout = lay = ShardLayout(num_qo_heads, num_kv_heads, session.group_size)
         configs = []
-        for w in range(session.num_workers):
-            text = str(session.fetch(described, w))
+        for w, text in enumerate(texts):
             answer = json.loads(text)
             if "config" not in answer:
                 raise_error(text, w)
@@ -451,8 +465,6 @@ class DiscoKVCache:
             num_kv_heads=num_kv_heads,
             layer_windows=windows,
         )
-        session.holders.add(self)
-        return self
 
     def close(self) -> None:
         """Drop the shards (:meth:`TvmkvSession.shutdown` does this); the cache cannot be used after."""

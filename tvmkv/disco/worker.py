@@ -68,15 +68,19 @@ QUERIES = frozenset(
     }
 )
 
-_creation_errors: dict = {}  # worker rank -> the JSON error of its last failed create_shard
+_creation_errors: dict = {}  # worker thread -> the JSON error of its last failed create_shard
 # worker thread -> its session's number of worker groups (pipeline stages), set by set_groups. Worker 0 of
 # every session is a thread of the controller process, the others the main thread of their own process.
 # (Keyed by thread ident: Disco's threads are C++ threads, whose Python thread state, threading.local's
 # data with it, goes after each call into Python.)
 _groups: dict = {}
-_override = None  # the TvmBuiltinOverride installed in this process by install_override
-# worker rank -> the JSON error of the first vm.builtin call on a tvmkv cache that failed on it since the
-# controller last took it (install_override's functions record instead of raising, which would end the worker)
+# the TvmBuiltinOverride installed in this process while some worker thread uses it, and each such thread's
+# own (its session's options, which its create calls take)
+_installed = None
+_overrides: dict = {}
+# worker thread -> the JSON error of the first vm.builtin call on a tvmkv cache that failed on it since the
+# controller last took it (a raise would end the worker): keyed by thread, so that sessions sharing this
+# process (each one's worker 0 is a thread of the controller) never see each other's
 _pending: dict = {}
 
 
@@ -100,8 +104,12 @@ def _set_groups(num_groups: int) -> int:
 
 
 def forget_thread(ident: int) -> None:
-    """Drop what :func:`_set_groups` recorded for thread ``ident`` (worker 0's, at the session's shutdown)."""
+    """Drop what this module keeps for thread ``ident`` (a session's worker 0, at its shutdown): its group
+    count, an error it left, its override."""
     _groups.pop(ident, None)
+    _pending.pop(ident, None)
+    _creation_errors.pop(ident, None)
+    release_override(ident)
 
 
 def encode_error(err: BaseException) -> str:
@@ -125,13 +133,12 @@ def _create(spec: str):
     ``spec`` is JSON: ``shape`` (num_layers, num_qo_heads, num_kv_heads, head_dim of the whole
     model), ``options`` (the cache's keyword options; ``kv_scales`` for the whole model) and
     ``device_ids`` (the GPU of each worker, on cuda)."""
-    rank = -1
     try:
         from ..runtime.cache import PagedAttentionKVCache
         from ..runtime.sharding import ShardLayout
 
         rank = _rank()[0]
-        _creation_errors.pop(rank, None)
+        _creation_errors.pop(threading.get_ident(), None)
         group, _, shard, size = stage() or (0, 1, *_rank())
         s = json.loads(spec)
         layers, hq, hkv, head_dim = s["shape"]
@@ -150,14 +157,14 @@ def _create(spec: str):
             end - first, layout.qo_per_shard, layout.kv_per_shard, head_dim, first_layer=first, **options
         )
     except Exception as err:  # noqa: BLE001  (a raise here would kill the worker)
-        _creation_errors[rank] = encode_error(err)
+        _creation_errors[threading.get_ident()] = encode_error(err)
         return None
 
 
 def _creation_error() -> str:
     """``creation_error()``: why this worker's last ``create_shard`` returned None ("" if it did not)."""
     try:
-        return _creation_errors.get(_rank()[0], "")
+        return _creation_errors.get(threading.get_ident(), "")
     except Exception as err:  # noqa: BLE001
         return encode_error(err)
 
@@ -166,11 +173,6 @@ def _apply(cache, calls: str) -> str:
     """``apply(cache, calls)``: run the JSON list of ``[method, args, kwargs]`` calls on this worker's
     cache in order, stopping at the first that raises; returns its error as JSON, or "" when all ran."""
     try:
-        earlier = _pending.pop(_rank()[0], "")
-        if earlier:  # a vm.builtin call failed since the controller last looked: report that, run nothing
-            fields = json.loads(earlier)
-            fields["message"] += " (an earlier call; the calls now issued did not run)"
-            return json.dumps(fields)
         for method, args, kwargs in json.loads(calls):
             if method not in METHODS:
                 raise ValueError(f"{method!r} is not a sequence operation a worker runs; one of {sorted(METHODS)}")
@@ -211,27 +213,30 @@ def _describe(cache) -> str:
 
 def _install_override(options: str) -> str:
     """``install_override(options)``: make this process's ``vm.builtin.*`` cache functions tvmkv's
-    (:class:`tvmkv.relax.TvmBuiltinOverride` with the JSON ``options``, replacing the one an earlier call
-    installed). A call on a tvmkv cache that fails (a create among them) returns None instead of raising,
-    which would end the worker (worker 0: the controller process); its error waits in :func:`_take_error`."""
-    global _override
+    (:class:`tvmkv.relax.TvmBuiltinOverride`); the create calls this worker thread makes take the JSON
+    ``options`` (another session's worker 0 in the same process keeps its own). A call on a tvmkv cache that
+    fails (a create among them) returns None instead of raising, which would end the worker (worker 0: the
+    controller process); its error waits in :func:`_take_error`."""
+    global _installed
     try:
         from ..relax.builtins import TvmBuiltinOverride
 
-        fresh = TvmBuiltinOverride(**json.loads(options))
-        uninstall_override()
-        _override = fresh.install()
+        mine = TvmBuiltinOverride(**json.loads(options))
+        if _installed is None:
+            _installed = TvmBuiltinOverride(select=lambda: _overrides.get(threading.get_ident())).install()
+        _overrides[threading.get_ident()] = mine
         return ""
     except Exception as err:  # noqa: BLE001
         return encode_error(err)
 
 
-def uninstall_override() -> None:
-    """Give this process back the ``vm.builtin.*`` functions it had before :func:`_install_override`."""
-    global _override
-    if _override is not None:
-        _override.uninstall()
-        _override = None
+def release_override(ident: int) -> None:
+    """Thread ``ident`` (a session's worker 0, at its shutdown) no longer uses the override; the last thread
+    to go gives this process back the ``vm.builtin.*`` functions it had before."""
+    global _installed
+    if _overrides.pop(ident, None) is not None and not _overrides and _installed is not None:
+        _installed.uninstall()
+        _installed = None
 
 
 def _record_error(name: str, err: BaseException) -> None:
@@ -241,14 +246,14 @@ def _record_error(name: str, err: BaseException) -> None:
         raise err
     fields = json.loads(encode_error(err))
     fields["message"] = f"{name} on worker {_rank()[0]}: {fields['message']}"
-    _pending.setdefault(_rank()[0], json.dumps(fields))
+    _pending.setdefault(threading.get_ident(), json.dumps(fields))
 
 
 def _take_error() -> str:
     """``take_error()``: the error a ``vm.builtin`` call on this worker left (:func:`_record_error`), "" if none;
     cleared by taking it."""
     try:
-        return _pending.pop(_rank()[0], "")
+        return _pending.pop(threading.get_ident(), "")
     except Exception as err:  # noqa: BLE001
         return encode_error(err)
 

@@ -18,6 +18,7 @@ override) **before** ``relax.VirtualMachine(...)``. A VM built earlier keeps the
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -356,6 +357,9 @@ class TvmBuiltinOverride:
     mla_self_dims : (int, int), optional
         ``(Dq, Dv)`` of an MLA model's prefill self attention (DeepSeek-V2: ``(192, 128)``), which TVM's
         create call does not carry; default: inferred from the first ``self_attention`` call.
+    select : callable, optional
+        ``select()`` returns the override whose options a create call takes (None: this one's): a Disco
+        worker process installs one override and gives each session's worker thread its own options.
 
     On a Disco worker of a session with several worker groups (pipeline stages), the create call's
     ``layer_partition`` (TVM's ``layer_indptr``, one entry more than the groups) gives the worker's
@@ -372,13 +376,15 @@ class TvmBuiltinOverride:
         rope_scaling=None,
         rotary_dim=None,
         mla_self_dims=None,
+        select=None,
     ):
+        self.select = select
         self.mla_self_dims = mla_self_dims
         self.num_pages = num_pages
         self.build_dir = build_dir
         self.cuda_arch = cuda_arch
         self.rope_scaling = RopeScaling.parse(rope_scaling, rotary_dim=rotary_dim)  # resolved at create
-        self.created: list = []  # caches created while installed, newest last
+        self._created: list = []  # weak references to the caches created while installed
         self._originals: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -419,9 +425,16 @@ class TvmBuiltinOverride:
         self.uninstall()
 
     # ------------------------------------------------------------------ create
+    @property
+    def created(self) -> list:
+        """The caches created while installed that are still alive, oldest first (held weakly: a cache the
+        model drops frees its pages)."""
+        return [c for c in (r() for r in self._created) if c is not None]
+
     def _create(self, *args) -> PagedAttentionKVCache:
-        cache = PagedAttentionKVCache(**self.cache_kwargs(*args))
-        self.created.append(cache)
+        options = (self.select() if self.select is not None else None) or self
+        cache = PagedAttentionKVCache(**options.cache_kwargs(*args))
+        self._created = [r for r in self._created if r() is not None] + [weakref.ref(cache)]
         return cache
 
     def cache_kwargs(self, *args) -> dict[str, Any]:

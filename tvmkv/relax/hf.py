@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .. import errors
 from .llama_config import LlamaConfig
 
@@ -83,8 +85,9 @@ def read_config(directory: str | Path, dtype: str = "float32") -> Checkpoint:
         problems.append(f"hidden_act {c['hidden_act']!r} (only silu)")
     if c.get("mlp_bias"):
         problems.append("mlp_bias true (the MLP has no biases)")
-    if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
-        problems.append(f"partial_rotary_factor {c['partial_rotary_factor']} (RoPE over whole heads only)")
+    partial = (c.get("rope_parameters") or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        problems.append(f"partial_rotary_factor {partial} (RoPE over whole heads only)")
     hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
     kv_heads = int(c.get("num_key_value_heads") or heads)
     head_dim = int(c.get("head_dim") or hidden // heads)
@@ -147,7 +150,7 @@ def _windows(c: dict, kind: str, layers: int, problems: list) -> tuple:
     if kind in ("qwen2", "qwen3") and c.get("use_sliding_window") and window:
         types = c.get("layer_types")
         if types is None:  # older configs: layers from max_window_layers on slide
-            first = int(c.get("max_window_layers", layers))
+            first = int(c.get("max_window_layers", 28))  # transformers' default
             types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
         return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
     if kind == "llama" and c.get("layer_types") and any(t != "full_attention" for t in c["layer_types"]):
@@ -216,6 +219,53 @@ def param_sources(cfg: LlamaConfig) -> dict:
     return plan
 
 
+def check_weights(ck: Checkpoint) -> int:
+    """Check, from the safetensors headers alone (nothing is read), that the checkpoint holds every tensor
+    the model needs with its shape and nothing else (but the ``rotary_emb.inv_freq`` buffers some
+    checkpoints keep); one :class:`CheckpointError` lists every problem. Returns the bytes the weights take
+    in the model's dtypes."""
+    from safetensors import safe_open
+
+    from .llama import param_dtype
+
+    cfg = ck.cfg
+    plan = param_sources(cfg)
+    sources = _sources(ck)
+    wanted = {hf for hfs, _ in plan.values() for hf in hfs}
+    shapes: dict = {}
+    for f in sorted(set(sources.values())):
+        with safe_open(str(f), framework="pt") as sf:
+            names = set(sf.keys())
+            for name in [n for n, src in sources.items() if src == f and n in wanted and n in names]:
+                shapes[name] = tuple(sf.get_slice(name).get_shape())
+    missing = sorted(w for w in wanted if w not in shapes)
+    extra = sorted(
+        n
+        for n in sources
+        if n not in wanted
+        and not n.endswith(_IGNORED)
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")  # a tied head saved anyway
+    )
+    wrong = []
+    for hfs, shape in plan.values():
+        if any(h in missing for h in hfs):
+            continue
+        got = (sum(shapes[h][0] for h in hfs), *shapes[hfs[0]][1:])  # concatenated along the first axis
+        if got != shape or any(shapes[h][1:] != shapes[hfs[0]][1:] for h in hfs):
+            wrong.append(f"{' + '.join(hfs)}: {' + '.join(str(shapes[h]) for h in hfs)} where the config gives {shape}")
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        parts.append(f"unexpected {len(extra)}: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
+    if wrong:
+        parts.append(f"of the wrong shape: {'; '.join(wrong[:8])}")
+    if parts:
+        raise CheckpointError(f"{ck.directory} does not match its config.json ({ck.architecture}): {'; '.join(parts)}")
+    itemsize = {"float32": 4, "float16": 2}
+    return sum(itemsize[param_dtype(n, cfg)] * int(np.prod(shape)) for n, (_, shape) in plan.items())
+
+
 def load_weights(ck: Checkpoint, param_names: list) -> dict:
     """The model's parameters ``param_names`` (from :func:`~tvmkv.relax.llama.compile_llama`) as NumPy
     arrays of the dtypes the model takes them in (:func:`~tvmkv.relax.llama.param_dtype`), read from the
@@ -230,23 +280,8 @@ def load_weights(ck: Checkpoint, param_names: list) -> dict:
     unknown = [n for n in param_names if n not in plan]
     if unknown:
         raise CheckpointError(f"the compiled model has parameters no checkpoint tensor maps to: {unknown[:5]}")
+    check_weights(ck)
     sources = _sources(ck)
-    wanted = {hf for n in param_names for hf in plan[n][0]}
-    missing = sorted(w for w in wanted if w not in sources)
-    extra = sorted(
-        n
-        for n in sources
-        if n not in wanted
-        and not n.endswith(_IGNORED)
-        and not (cfg.tie_word_embeddings and n == "lm_head.weight")  # a tied head saved anyway
-    )
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-        if extra:
-            parts.append(f"unexpected {len(extra)}: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
-        raise CheckpointError(f"{ck.directory} does not match its config.json ({ck.architecture}): {'; '.join(parts)}")
     from .llama import param_dtype
 
     dtypes = {"float32": torch.float32, "float16": torch.float16}
@@ -305,14 +340,33 @@ class Tokenizer:
 
     def encode(self, text: str, *, chat: bool = True) -> list:
         if chat and self.chat_template:
-            import jinja2
+            return self.fast.encode(self.render(text), add_special_tokens=False).ids
+        return self.fast.encode(text).ids
 
-            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-            rendered = env.from_string(self.chat_template).render(
+    def render(self, text: str) -> str:
+        """The chat template around one user message ``text``, with the generation prompt. The template is
+        the checkpoint's, so it runs in Jinja's sandbox (no access to Python's internals), with the helpers
+        transformers gives templates (``raise_exception``, ``strftime_now``)."""
+        from datetime import datetime
+
+        from jinja2.exceptions import SecurityError, TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        try:
+            return env.from_string(str(self.chat_template)).render(
                 messages=[{"role": "user", "content": text}], add_generation_prompt=True, **self.special
             )
-            return self.fast.encode(rendered, add_special_tokens=False).ids
-        return self.fast.encode(text).ids
+        except SecurityError as err:
+            raise CheckpointError(f"the checkpoint's chat template tried what its sandbox forbids: {err}") from None
+        except TemplateError as err:
+            raise CheckpointError(f"the checkpoint's chat template failed: {err}; pass --no-chat-template") from None
 
     def decode(self, ids: list) -> str:
         return self.fast.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -36,10 +36,11 @@ WIDEN_MIN_ROWS = 64
 # a decode layer is one launch where the library has paged_decode_append; False: split_rope_append + the
 # decode kernel instead (what libraries without it run; benchmarks set it to compare the two)
 ONE_LAUNCH_DECODE = True
-# ... but not in rope mode "normal" over 16-bit pages: that one-launch kernel rotates q and the new key itself
-# (175 registers against 128, and a stack frame for cos / sin), and on an H200 (32 / 8 heads of 128, fp16) it
-# took 224 µs a layer at 64 x 128 tokens and 225 at 32 x 1024 where the two launches take 34 and 54 (and
-# rope mode "none"'s one launch 30 and 50): bench/RESULTS.md, "Decode in rope mode normal"
+# ... but not in rope mode "normal" over pages of the activation dtype (not fp8): that one-launch kernel
+# rotates q and the new key itself (175 registers against 128, and a stack frame for cos / sin), and on an
+# H200 (32 / 8 heads of 128, fp16) it took 224.9 µs a layer at 64 x 128 tokens and 223.4 at 32 x 1024 where
+# the two launches take 32.0 and 53.6 (rope mode "none"'s one launch: 28.5 and 49.7; bench/gpu_decode_rope.py,
+# bench/RESULTS.md "decode in rope mode normal")
 ONE_LAUNCH_ROTATING_DECODE = False
 
 
