@@ -383,8 +383,10 @@ def test_generate_model_lib_names_a_config_mismatch(tmp_path):
     assert done.returncode == 0, done.stderr
     meta = json.loads(lib.with_suffix(".json").read_text())
     want = {k: v for k, v in dataclasses.asdict(LlamaConfig()).items() if k != "seed"}
-    assert meta["model"] == {**want, "interface": "tvmkv", "target": "llvm"}
+    assert meta["model"] == json.loads(json.dumps({**want, "interface": "tvmkv", "target": "llvm"}))
     assert len(meta["param_names"]) == 15  # embedding, 6 per layer, norm, head
+    done = run_cli("generate", "--model-lib", str(lib))  # the options it was exported with: it runs
+    assert done.returncode == 0, done.stderr
     done = run_cli("generate", "--model-lib", str(lib), "--head-dim", "128", "--layers", "3")
     assert done.returncode == 2
     line = one_line_error(done.stderr)

@@ -563,9 +563,10 @@ _MODEL_FLAGS = {
 
 
 def _model_key(cfg, interface: str, target: str) -> dict:
-    """What a compiled model library depends on: the model's shape, its cache interface, the target."""
+    """What a compiled model library depends on: the model's shape, its cache interface, the target (as
+    its ``.json`` holds it: tuples as lists)."""
     key = {k: v for k, v in asdict(cfg).items() if k != "seed"}
-    return {**key, "interface": interface, "target": target}
+    return json.loads(json.dumps({**key, "interface": interface, "target": target}))
 
 
 def _check_options(args) -> str | None:
