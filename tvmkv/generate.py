@@ -188,6 +188,17 @@ class TwinModel:
         return logits
 
 
+# the vm.builtin.* functions (without the prefix) an MLC-style engine drives a cache with (BuiltinOps, DiscoBuiltinOps)
+BUILTINS = (
+    "kv_state_add_sequence",
+    "kv_state_remove_sequence",
+    "kv_state_fork_sequence",
+    "kv_state_begin_forward",
+    "kv_state_end_forward",
+    "attention_kv_cache_get_num_available_pages",
+)
+
+
 class BuiltinOps:
     """Drives a cache through TVM's ``vm.builtin.*`` globals (as an MLC-style engine does).
 
@@ -198,17 +209,7 @@ class BuiltinOps:
         import tvm
 
         self.cache = cache
-        self._f = {
-            name: tvm.get_global_func("vm.builtin." + name)
-            for name in (
-                "kv_state_add_sequence",
-                "kv_state_remove_sequence",
-                "kv_state_fork_sequence",
-                "kv_state_begin_forward",
-                "kv_state_end_forward",
-                "attention_kv_cache_get_num_available_pages",
-            )
-        }
+        self._f = {name: tvm.get_global_func("vm.builtin." + name) for name in BUILTINS}
 
     def add_sequence(self, seq_id):
         self._f["kv_state_add_sequence"](self.cache, seq_id)
@@ -240,17 +241,7 @@ class DiscoBuiltinOps:
 
     def __init__(self, cache):
         self.cache, self.session = cache, cache.session
-        self._f = {
-            name: cache.session.session.get_global_func("vm.builtin." + name)
-            for name in (
-                "kv_state_add_sequence",
-                "kv_state_remove_sequence",
-                "kv_state_fork_sequence",
-                "kv_state_begin_forward",
-                "kv_state_end_forward",
-                "attention_kv_cache_get_num_available_pages",
-            )
-        }
+        self._f = {name: cache.session.session.get_global_func("vm.builtin." + name) for name in BUILTINS}
         self.session.holders.add(self)  # its functions hold the session: shutdown closes them
 
     def close(self) -> None:
