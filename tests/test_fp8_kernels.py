@@ -100,29 +100,34 @@ def _edges(rng, shape, fmt, scale_k):
 
 
 @pytest.mark.parametrize("fmt", FP8_DTYPES)
-def test_fp8_append_stores_codes(target, fmt, rng):
+@pytest.mark.parametrize("lens", [(9,), (70, 1, 129)], ids=["one", "three"])
+def test_fp8_append_stores_codes(target, fmt, lens, rng):
     """``append``, ``append_qkv`` and the prefill that appends (``ragged_prefill_causal_qkv``) store
     ``quantize(x / scale)`` bit for bit (rounding to nearest even, saturation, zeros and subnormals),
     skip negative slots, leave every other slot alone; the pages' other kernels copy codes unchanged
-    (``copy_page``, ``gather``)."""
+    (``copy_page``, ``gather``). ``lens``: the prefill's sequences (several query tiles, whose blocks
+    each store their own tokens on sm_90)."""
     spec = _spec(target, fmt)
     lib = load_kernels(spec, rope_mode="none")
-    n = 9
+    n = sum(lens)
     scale = _scales(rng)
     k = _edges(rng, (n, H_KV, D), fmt, scale[0, 0])
     v = _edges(rng, (n, H_KV, D), fmt, scale[1, 0])
     k.reshape(-1)[20:23] = [np.nan, np.inf, -np.inf]  # NaN stays NaN, infinities saturate
     v.reshape(-1)[-3:] = [np.nan, np.inf, -np.inf]
-    slot = rng.permutation(6 * P)[:n].astype(np.int32)
-    slot[4] = -1
-    before = rng.integers(0, 256, (6, 2, H_KV, P, D), dtype=np.uint8)
+    num_pages = -(-n // P) + 5
+    slot = rng.permutation(num_pages * P)[:n].astype(np.int32)
+    slot[4] = slot[-1] = -1
+    before = rng.integers(0, 256, (num_pages, 2, H_KV, P, D), dtype=np.uint8)
     want = before.copy()
     for i in np.flatnonzero(slot >= 0):
         s = slot[i]
         want[s // P, 0, :, s % P] = _codes(fp8_ref.quantize(k[i], scale[0], fmt), fmt)
         want[s // P, 1, :, s % P] = _codes(fp8_ref.quantize(v[i], scale[1], fmt), fmt)
     qkv = np.concatenate([np.full((n, H_QO, D), np.nan, np.float16), k, v], axis=1)
-    prefill_args = [np.array([0, n], np.int32), np.arange(n, dtype=np.int32), np.zeros((n, 2), np.int32)]
+    q_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q_pos = np.concatenate([np.arange(m) for m in lens]).astype(np.int32)
+    prefill_args = [q_indptr, q_pos, np.zeros((n, 2), np.int32)]
     for name in ("append", "append_qkv", "ragged_prefill_causal_qkv"):
         pages = to_dev(before.view(fp8_ref.np_dtype(fmt)), target)
         scale_d, slot_d = to_dev(scale, target), to_dev(slot, target)

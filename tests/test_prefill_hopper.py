@@ -128,4 +128,12 @@ def test_nvcc_accepts_without_serializing(tmp_path):
         funcs[f"{source}_causal_qkv"] = ph.make_prefill_hopper(
             KernelSpec(32, 8, 128, 16, "float16", "cuda"), source=source, mask="causal", arch="sm_90", fused_qkv=True
         )
+    # ... and its ragged kernel storing fp8 codes from the copying warpgroup (40 registers after setmaxnreg)
+    funcs["ragged_causal_qkv_fp8"] = ph.make_prefill_hopper(
+        KernelSpec(32, 8, 128, 16, "float16", "cuda", kv_dtype="float8_e4m3fn"),
+        source="ragged",
+        mask="causal",
+        arch="sm_90",
+        fused_qkv=True,
+    )
     assert_sm90a_clean(funcs, tmp_path, "hopper")

@@ -64,7 +64,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro
 from .attention import paged_prefill_func, ragged_prefill_func
-from .fp8 import kv_scale_buffer, times_key_scale
+from .fp8 import FLOAT2_TO_PAIR, kv_scale_buffer, times_key_scale
 from .prefill_cuda import BLOCK, CP16, CVT, block_macros, kv_rc, load_rc
 from .spec import KernelSpec
 
@@ -228,9 +228,12 @@ def make_prefill_hopper(
     KVP = BC * CPR // 128  # chunks of a K or V tile each thread of the copying warpgroup issues
     PREFETCH = ST - 2 if overlap or pingpong else ST - 1  # tiles in flight ahead of the one computed
     # ragged_prefill_causal_qkv stores the new K/V itself: the copying warpgroup, once its copies are
-    # issued, writes the block's own tokens (RT of them, kv head hk) at their slots (fp8 pages: the
-    # quantizing append schedule runs before it instead, tvmkv.tir.append.append_body)
-    stores_kv = fused_qkv and not paged and producer and not spec.fp8_pages
+    # issued, writes the block's own tokens (RT of them, kv head hk) at their slots. fp8 pages: their
+    # codes, quantized as tvmkv.tir.append.append_body quantizes them, from the last K/V tile in shared
+    # memory, which holds the block's tokens where BC is a multiple of RT (else the append runs first)
+    stores_kv = fused_qkv and not paged and producer and (not spec.fp8_pages or BC % RT == 0)
+    scale = kv_scale_buffer(spec) if fused_qkv else None  # fp8 pages: the stores quantize with it
+    to_pair = FLOAT2_TO_PAIR.get(spec.page_dtype)
     SKV = (RT * CPR + 127) // 128  # 16-byte chunks of a K (and a V) row set per copying thread
     read_scale = tirx.decl_buffer((2, H_kv), "float32", name="kv_scale") if kv_scale else None
     blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC, scale=read_scale)
@@ -459,9 +462,33 @@ def make_prefill_hopper(
                 T.ptx["barrier.sync.aligned"](T.uint32(1), T.uint32(NT))  # consume warpgroup 1's first arrive
 
     @macro
+    def store_codes(kv, t, c, kx, pairs):
+        # fp8 pages: chunk c (8 elements) of token t's K (kv 0) or V (1) row, read from the ring slot of
+        # the block's last key tile (its keys end with the block's tokens, none past a tile boundary),
+        # divided by the head's scale, quantized two per instruction and stored as 4 code pairs (8 bytes)
+        kr = T.meta_var(t - sv[BLOCK.qbase] - (sv[BLOCK.nkt] - 1) * BC)  # its row in that tile
+        base = T.meta_var(k_off((sv[BLOCK.nkt] - 1) % ST) + kv * (BC * D))  # (v_off: K's plus BC * D)
+        for e in T.unroll(8):  # (shared-memory loads; TVM cannot vectorize an index that reads locals)
+            kx[e] = sm[pad[0] + base + sw_off(BC, kr, c) + e]
+        for p in T.unroll(4):
+            T.ptx[to_pair](
+                pairs[p],
+                T.Cast("float32", kx[2 * p + 1]) / scale[kv, hk],
+                T.Cast("float32", kx[2 * p]) / scale[kv, hk],
+            )
+        page_pairs = T.decl_buffer((1,), "uint16", data=pages.data)  # the pool as code pairs, flat
+        for p in T.vectorized(4):
+            page_pairs[((((slot[t] >> LOGP) * 2 + kv) * H_kv + hk) * P + (slot[t] & PMASK)) * (D // 2) + c * 4 + p] = (
+                pairs[p]
+            )
+
+    @macro
     def store_kv():
-        # K and V rows of the block's tokens (kv head hk) from qkv to their slots (slot < 0: skipped);
-        # every (token, kv head) is one block's: the tile of the token, the block of the head
+        # K and V rows of the block's tokens (kv head hk) to their slots (slot < 0: skipped), from qkv
+        # (fp8 pages: from shared memory, store_codes); every (token, kv head) is one block's: the tile
+        # of the token, the block of the head
+        if spec.fp8_pages:  # (resolved while parsing) wait until every copying thread's copies landed
+            T.ptx["barrier.sync.aligned"](T.uint32(4), T.uint32(128))
         for i in T.unroll(SKV):
             u = T.meta_var(tx - NT + i * 128)
             j = T.meta_var(u // CPR)  # the token (of the block's), its 16-byte chunk c
@@ -469,10 +496,14 @@ def make_prefill_hopper(
             t = T.meta_var(sv[BLOCK.t0] + j)
             if u < RT * CPR and j < sv[BLOCK.ntok]:
                 if slot[t] >= 0:
-                    for e in T.vectorized(8):
-                        pages[slot[t] >> LOGP, 0, hk, slot[t] & PMASK, c * 8 + e] = k[t, hk, c * 8 + e]
-                    for e in T.vectorized(8):
-                        pages[slot[t] >> LOGP, 1, hk, slot[t] & PMASK, c * 8 + e] = v[t, hk, c * 8 + e]
+                    if spec.fp8_pages:  # (resolved while parsing) codes, quantized as append stores them
+                        store_codes(0, t, c, kx, pairs)
+                        store_codes(1, t, c, kx, pairs)
+                    else:
+                        for e in T.vectorized(8):
+                            pages[slot[t] >> LOGP, 0, hk, slot[t] & PMASK, c * 8 + e] = k[t, hk, c * 8 + e]
+                        for e in T.vectorized(8):
+                            pages[slot[t] >> LOGP, 1, hk, slot[t] & PMASK, c * 8 + e] = v[t, hk, c * 8 + e]
 
     @macro
     def load_q():
@@ -521,6 +552,8 @@ def make_prefill_hopper(
         pf32 = T.alloc_buffer((2,), "float32", scope="local")
         rinv = T.alloc_buffer((2,), "float32", scope="local")
         pk = T.alloc_buffer((1,), "uint32", scope="local")
+        kx = T.alloc_buffer((8,), dtype, scope="local")  # fp8 pages' stores: a chunk of K / V, its code pairs
+        pairs = T.alloc_buffer((4,), "uint16", scope="local")
         o_pairs = T.decl_buffer((n * H_qo * D // 2,), "uint32", data=o.data)  # o as packed element pairs
 
         # ---- which sequence and tile; its tokens and key range (shared with prefill_cuda)
@@ -601,5 +634,4 @@ def make_prefill_hopper(
 
     if paged:
         return paged_prefill_func(spec, fa_body, read_scale, fused_qkv=fused_qkv)
-    scale = kv_scale_buffer(spec) if fused_qkv else None  # (fp8 pages: the append quantizes with it)
     return ragged_prefill_func(spec, fa_body, scale, fused_qkv=fused_qkv, body_stores_kv=stores_kv)
