@@ -44,6 +44,7 @@ VARIANTS = {
     "regs_nw4_u4": (4, 4, False, {"stages": 1}),
     "db_nw4_u4": (4, 4, True, {}),
     "cp2_nw8_u4": (8, 4, False, {"stages": 2}),
+    "cp3_nw8_u4": (8, 4, False, {"stages": 3}),
     "cp3_nw4_u4": (4, 4, False, {"stages": 3}),
     "cp4_nw4_u4": (4, 4, False, {"stages": 4}),
     "cp6_nw4_u4": (4, 4, False, {"stages": 6}),

@@ -73,7 +73,12 @@ from .decode_layout import MERGE_MAX_SPLITS, WARP, decode_layout
 from .fp8 import PAIR_TO_HALF2, kv_scale_buffer, page_code, page_value, times_key_scale, times_value_scale
 from .spec import KernelSpec, dtype_bytes
 
-DEFAULT_STAGES = 3  # cp.async ring depth of the K/V staging in shared memory (1: loads into registers)
+# cp.async ring depth of the K/V staging in shared memory (1: loads into registers). 16-bit pages: 2
+# measured faster than 3 on an H200 (through the API, fp16 32/8 heads, D 128: 32x1024 44.1-44.3 ->
+# 42.2-42.7 us, 64x4096 / 128x4096 0.5-1% faster, 1x1024 the same; bench/RESULTS.md); fp8 pages on
+# the CUDA cores keep 3 (not measured with 2)
+DEFAULT_STAGES = 2
+FP8_STAGES = 3
 TC_STAGES = 3  # ... on the tensor-core path (fp8 pages)
 TC_MIN_BLOCKS = 0  # its __launch_bounds__ blocks per SM (0: no register cap)
 MMA_F16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
@@ -209,7 +214,8 @@ def make_paged_decode_cuda(
         STG_SHAPE = (NS, NW, 2, KT, CPR, 4)  # uint32 words: stage, warp, K | V, row, chunk
         STG_WORDS = math.prod(STG_SHAPE)
     else:
-        stages = DEFAULT_STAGES if stages is None else stages
+        if stages is None:
+            stages = FP8_STAGES if spec.fp8_pages else DEFAULT_STAGES
         NS = 1 if double_buffer else max(1, min(stages, STAGE_BYTES // (NT * U * 2 * NC * CHUNK)))
         if NS < 2:
             NS = 1
