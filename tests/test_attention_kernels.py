@@ -9,6 +9,7 @@ slots of the pool hold random garbage, so a kernel that reads outside its sequen
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 
@@ -821,6 +822,35 @@ def test_decode_cuda_fast_path_compiles(tmp_path):
     _assert_nvcc_accepts(src, tmp_path / "dec.cu", "1046,177,550")
     # outside the fast layout (D 80: 40 elements per lane) there is no split kernel
     assert make_paged_decode_cuda(KernelSpec(12, 1, 80, 8, "bfloat16", "cuda"), split=True) is None
+
+
+def _shared_bytes(script: str) -> tuple:
+    """(static, dynamic) shared-memory bytes a kernel's TIR script allocates (float32 words: the decode's
+    buffers)."""
+    static = dynamic = 0
+    for shape, scope in re.findall(r"T\.alloc_(?:shared|buffer)\(\(([\d, ]+)\)(?:, scope=\"([\w.]+)\")?", script):
+        size = 4 * math.prod(int(x) for x in shape.split(",") if x.strip())
+        if scope == "shared.dyn":
+            dynamic += size
+        elif scope in ("", "shared"):
+            static += size
+    return static, dynamic
+
+
+@pytest.mark.parametrize("unroll, stages", [(2, 2), (4, 2), (2, 3), (1, 2)])
+def test_decode_cuda_shared_memory_launches(unroll, stages):
+    """TVM's CUDA runtime lets a kernel use more than 48 KiB of shared memory only when its dynamic part
+    alone reaches 48 KiB: the decode's staging ring is never below that while its total with the static
+    buffers passes it (8 warps x 2 keys x 2 stages had failed to launch with CUDA_ERROR_INVALID_VALUE on
+    an H200)."""
+    from tvmkv.tir.decode_cuda import OPT_IN_BYTES, make_paged_decode_cuda
+
+    for spec in (KernelSpec(32, 8, 128, 16, "float16", "cuda"), KernelSpec(16, 2, 64, 16, "float32", "cuda")):
+        for kw in ({}, {"split": True, "merge": True}):
+            f = make_paged_decode_cuda(spec, num_warps=8, unroll=unroll, stages=stages, **kw)
+            static, dynamic = _shared_bytes(f.script())
+            assert static and dynamic, (static, dynamic)
+            assert dynamic >= OPT_IN_BYTES or static + dynamic <= OPT_IN_BYTES, (spec.tag, kw, static, dynamic)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

@@ -87,6 +87,7 @@ CVT_F16X2 = "cvt.rn.f16x2.f32"  # (d, hi, lo)
 # dim side by side, the pair order of an mma B fragment along its k (key) axis
 PERM_LO, PERM_HI = 0x5140, 0x7362
 STAGE_BYTES = 96 * 1024  # cap on the staging ring per block
+OPT_IN_BYTES = 48 * 1024  # dynamic shared memory from which TVM's runtime opts a kernel into more than 48 KiB
 CP16 = "cp.async.cg.shared.global"
 CP8 = "cp.async.ca.shared.global"  # 8-byte copies (cg takes 16 only): fp8 pages' 8-code rows
 MERGE_UNROLL = 4  # o_part loads of the in-kernel merge issued together
@@ -221,6 +222,13 @@ def make_paged_decode_cuda(
             NS = 1
         STG_SHAPE = (NS, U, 2, NC, NT, VEC) if NS >= 2 else (1, 1, 1, 1, 1, VEC)
         STG_WORDS = max(1, math.prod(STG_SHAPE) * dtype_bytes(page_dtype) // 4)
+    # TVM's CUDA runtime opts a kernel into more than 48 KiB of shared memory only when its dynamic part
+    # alone reaches 48 KiB: a smaller ring whose total with the static buffers (the warps' Ms, Ls, Os; the
+    # in-kernel merge's Lw) passes 48 KiB would not launch (CUDA_ERROR_INVALID_VALUE; e.g. 8 warps x 2
+    # keys x 2 stages), so it is padded to 48 KiB
+    static_bytes = 4 * NW * GQ * (D + 2) + (4 * GQ * MERGE_MAX_SPLITS if merge else 0)
+    if STG_WORDS * 4 < OPT_IN_BYTES < STG_WORDS * 4 + static_bytes:
+        STG_WORDS = OPT_IN_BYTES // 4
     CPA = NS >= 2
     neg_inf = float("-inf")
     shfl_xor = getattr(T.cuda, "__shfl_xor_sync")
