@@ -137,3 +137,22 @@ def test_nvcc_accepts_without_serializing(tmp_path):
         fused_qkv=True,
     )
     assert_sm90a_clean(funcs, tmp_path, "hopper")
+
+
+def test_fp8_ragged_prefill_stores_codes_itself_where_its_tiles_hold_them():
+    """With fp8 pages the sm_90 ragged prefill that reads the fused qkv stores the new tokens' codes from
+    its copying warpgroup (one kernel, no append schedule before it) in the default layouts; where the
+    block's tokens may not all lie in its last key tile (key tiles narrower than the block's tokens, or
+    no causal mask) the quantizing append runs first instead. (The stored codes themselves are checked
+    against NumPy by tests/test_fp8_kernels.py::test_fp8_append_stores_codes.)"""
+
+    def appends_first(spec, **kw):
+        f = ph.make_prefill_hopper(spec, source="ragged", arch="sm_90", fused_qkv=True, **kw)
+        return "T.thread_binding" in f.script()  # the append schedule's loops
+
+    for h_qo, h_kv, d in ((32, 8, 128), (4, 2, 64), (16, 2, 128), (4, 4, 128)):
+        spec = KernelSpec(h_qo, h_kv, d, 16, "float16", "cuda", kv_dtype="float8_e4m3fn")
+        assert not appends_first(spec, mask="causal"), spec.tag
+    mha = KernelSpec(4, 4, 128, 16, "float16", "cuda", kv_dtype="float8_e5m2")
+    assert appends_first(mha, mask="causal", bc=64)  # 128 tokens a block, 64-key tiles
+    assert not appends_first(KernelSpec(4, 4, 128, 16, "float16", "cuda"), mask="causal", bc=64)  # 16-bit: from qkv

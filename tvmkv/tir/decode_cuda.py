@@ -75,7 +75,7 @@ from .spec import KernelSpec, dtype_bytes
 
 # cp.async ring depth of the K/V staging in shared memory (1: loads into registers). 16-bit pages: 2
 # measured faster than 3 on an H200 (through the API, fp16 32/8 heads, D 128: 32x1024 44.1-44.3 ->
-# 42.2-42.7 us, 64x4096 / 128x4096 0.5-1% faster, 1x1024 the same; bench/RESULTS.md); fp8 pages on
+# 42.3-42.4 us, 64x4096 / 128x4096 0.5-1% faster, 1x1024 the same; bench/RESULTS.md); fp8 pages on
 # the CUDA cores keep 3 (not measured with 2)
 DEFAULT_STAGES = 2
 FP8_STAGES = 3

@@ -188,10 +188,11 @@ def make_prefill_hopper(
     :func:`hopper_layout` first; ``bc`` and ``stages`` are tuning knobs (defaults: what the runtime
     builds). ``fused_qkv``: the ``*_qkv`` signature (q, and for ragged k and v, read from the fused qkv;
     the ragged kernel also stores k and v at their slots, from the copying warpgroup once it has issued
-    its copies: no separate append launch). ``kv_scale`` (paged only): the pages hold fp8 codes widened
-    to the 16-bit dtype (``tvmkv.tir.page_ops.make_widen_pages``) and the kernel takes their layer's
-    ``kv_scale [2, H_kv]`` after ``pages``, folded in as the fp8 schedules fold it (docs/layout.md, "fp8
-    pages")."""
+    its copies: no separate append launch; fp8 pages: their codes, once its copies have landed, from
+    shared memory, where the mask is causal and ``bc`` a multiple of the block's tokens, else the append
+    runs first). ``kv_scale`` (paged only): the pages hold fp8 codes widened to the 16-bit dtype
+    (``tvmkv.tir.page_ops.make_widen_pages``) and the kernel takes their layer's ``kv_scale [2, H_kv]``
+    after ``pages``, folded in as the fp8 schedules fold it (docs/layout.md, "fp8 pages")."""
     assert source in ("paged", "ragged")
     assert not kv_scale or (source == "paged" and not spec.fp8_pages)
     lay = hopper_layout(
@@ -230,8 +231,9 @@ def make_prefill_hopper(
     # ragged_prefill_causal_qkv stores the new K/V itself: the copying warpgroup, once its copies are
     # issued, writes the block's own tokens (RT of them, kv head hk) at their slots. fp8 pages: their
     # codes, quantized as tvmkv.tir.append.append_body quantizes them, from the last K/V tile in shared
-    # memory, which holds the block's tokens where BC is a multiple of RT (else the append runs first)
-    stores_kv = fused_qkv and not paged and producer and (not spec.fp8_pages or BC % RT == 0)
+    # memory, which holds the block's tokens where the mask is causal (the block's keys end with its
+    # tokens) and BC is a multiple of RT (no token past a tile boundary); else the append runs first
+    stores_kv = fused_qkv and not paged and producer and (not spec.fp8_pages or (mask == "causal" and BC % RT == 0))
     scale = kv_scale_buffer(spec) if fused_qkv else None  # fp8 pages: the stores quantize with it
     to_pair = FLOAT2_TO_PAIR.get(spec.page_dtype)
     SKV = (RT * CPR + 127) // 128  # 16-byte chunks of a K (and a V) row set per copying thread
