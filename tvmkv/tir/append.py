@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._kernel_common import copy_vector, func_attrs, heads_per_block, macro, qkv_view
-from .fp8 import FLOAT2_TO_PAIR, kv_scale_buffer, page_code, store_lanes, with_kv_scale
+from .fp8 import FLOAT2_TO_PAIR, code_pair_at, kv_scale_buffer, page_code, store_lanes, with_kv_scale
 from .spec import KernelSpec
 
 
@@ -128,7 +128,7 @@ def append_body(spec: KernelSpec, scale=None):
                 T.Cast("float32", x[i, h, c * V + 2 * p]) / scale[kv, h],
             )
         for p in T.vectorized(V // 2):
-            page_pairs[((((slot[i] // P) * 2 + kv) * H + h) * P + slot[i] % P) * (D // 2) + c * (V // 2) + p] = pairs[p]
+            page_pairs[code_pair_at(spec, slot[i] // P, kv, h, slot[i] % P, c * (V // 2) + p)] = pairs[p]
 
     @macro
     def gpu_pairs_body():

@@ -40,6 +40,14 @@ PAIR_TO_HALF2 = {"float8_e4m3fn": "cvt.rn.f16x2.e4m3x2", "float8_e5m2": "cvt.rn.
 FLOAT2_TO_PAIR = {"float8_e4m3fn": "cvt.rn.satfinite.e4m3x2.f32", "float8_e5m2": "cvt.rn.satfinite.e5m2x2.f32"}
 
 
+def code_pair_at(spec: KernelSpec, page, kv: int, h, pos, pair):
+    """Index of code pair ``pair`` (elements ``2 pair``, ``2 pair + 1``) of K (``kv`` 0) or V (1) of KV
+    head ``h`` at slot ``pos`` of page ``page``, in the page pool seen as a flat ``uint16`` buffer (how
+    the kernels that quantize in pairs store them: ``T.decl_buffer((1,), "uint16", data=pages.data)``)."""
+    H, P, D = spec.num_kv_heads, spec.page_size, spec.head_dim
+    return (((page * 2 + kv) * H + h) * P + pos) * (D // 2) + pair
+
+
 def widen_pair(page_dtype: str, dtype: str):
     """A macro ``(dst, codes, f2)``: ``dst`` (uint32) = the two fp8 codes ``codes`` (uint16, low byte
     first) as a pair of ``dtype`` (float16 / bfloat16; low half first), exact (every fp8 value is a

@@ -64,7 +64,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro
 from .attention import paged_prefill_func, ragged_prefill_func
-from .fp8 import FLOAT2_TO_PAIR, kv_scale_buffer, times_key_scale
+from .fp8 import FLOAT2_TO_PAIR, code_pair_at, kv_scale_buffer, times_key_scale
 from .prefill_cuda import BLOCK, CP16, CVT, block_macros, kv_rc, load_rc
 from .spec import KernelSpec
 
@@ -480,9 +480,7 @@ def make_prefill_hopper(
             )
         page_pairs = T.decl_buffer((1,), "uint16", data=pages.data)  # the pool as code pairs, flat
         for p in T.vectorized(4):
-            page_pairs[((((slot[t] >> LOGP) * 2 + kv) * H_kv + hk) * P + (slot[t] & PMASK)) * (D // 2) + c * 4 + p] = (
-                pairs[p]
-            )
+            page_pairs[code_pair_at(spec, slot[t] >> LOGP, kv, hk, slot[t] & PMASK, c * 4 + p)] = pairs[p]
 
     @macro
     def store_kv():
