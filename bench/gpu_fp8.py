@@ -27,7 +27,9 @@ from pathlib import Path
 from _attention_cases import H_KV, H_QO, D, api_cache
 from _common import CudaTimer
 
-DECODE = [(32, 1024), (64, 4096), (128, 4096), (256, 2048)]
+# issue 17's decode shapes, after the small batches (a step of at most one block per SM, where the
+# tensor-core decode takes its small-batch layout: DecodeSplit.layout)
+DECODE = [(1, 1024), (1, 16384), (16, 1024), (32, 1024), (64, 4096), (128, 4096), (256, 2048)]
 PREFILL = [(1, 0, 4096), (8, 0, 512), (4, 2048, 1024), (4, 8192, 64), (8, 2048, 128)]  # sequences, history, new each
 PAGES = {"fp16": "", "fp8 e4m3": "float8_e4m3fn"}
 # a prefill over fp8 history on sm_90 runs on the pages' codes widened to 16 bits (warpgroup MMA); this row also
@@ -79,6 +81,7 @@ def _row(timer, case: str, B: int, L: int, new: int, copy_gbs: float) -> dict:
         row[f"{name} call_us"] = timer.time(call, queued=False)
         row[f"{name} kernel"] = cache.debug_forward().kernel
         row[f"{name} widened"] = cache.debug_forward().widened
+        row[f"{name} layout"] = cache.debug_forward().decode_layout
         keys = B * (L + new)
         nbytes = keys * 2 * H_KV * D * (1 if kv_dtype else 2)
         row[f"{name} kv_MB"] = nbytes / 1e6

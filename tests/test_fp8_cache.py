@@ -17,6 +17,7 @@ from tvmkv import PagedAttentionKVCache
 from tvmkv.reference import fp8 as fp8_ref
 from tvmkv.reference.cache_model import CacheModel
 from tvmkv.runtime.tensors import numpy_dtype
+from tvmkv.target import default_cuda_arch
 from tvmkv.tir.spec import FP8_DTYPES
 
 L, HQ, HKV, D, P = 2, 4, 2, 64, 16
@@ -41,11 +42,13 @@ def _store(scales, fmt):
     return store
 
 
-def _step(cache, model, rng, ids, lens, check_kv=(), split=False, widened=False):
+def _step(cache, model, rng, ids, lens, check_kv=(), split=False, widened=False, layout=None):
     cfg = cache.config
     cache.begin_forward(ids, lens)
     if split:  # a decode cut into chunks (decode_splits)
         assert cache.debug_forward().num_splits > 1
+    if layout is not None:  # the one-launch decode's layout (DecodeSplit.layout)
+        assert cache.debug_forward().decode_layout == layout
     # a prefill over fp8 pages run on their codes widened to 16 bits, where the library has that schedule
     # (widened None: either way, returned)
     ran_widened = cache.debug_forward().widened
@@ -99,12 +102,16 @@ def test_fp8_cache_matches_the_quantized_model(target, fmt, dtype, rng):
     cache.check_integrity()
 
 
-@pytest.mark.parametrize("sliding", [False, True], ids=["tensor-cores", "sliding-cuda-cores"])
-def test_fp8_decode_of_a_group_of_eight_through_the_cache(target, sliding, rng):
+@pytest.mark.parametrize(
+    "sliding, splits", [(False, 4), (False, 1), (True, 4)], ids=["tensor-cores", "tensor-cores-unsplit", "sliding"]
+)
+def test_fp8_decode_of_a_group_of_eight_through_the_cache(target, sliding, splits, rng):
     """fp8 decode at head_dim 128 with 8 query heads per KV head, split (up to 4 ways; cuda: merged in
     the kernel), against the quantized model. On cuda the plain kernel set decodes on the tensor cores
     (one block per KV head), the sliding one on the CUDA cores (two blocks per KV head: the runtime
-    sizes the merge's arrival counters for it); llvm has one schedule for both."""
+    sizes the merge's arrival counters for it); llvm has one schedule for both. On sm_90 the tensor-core
+    steps, 6 blocks a chunk, launch the small-batch layout (``paged_decode_append[_split]_small_batch``),
+    split and (``decode_splits=1``) not."""
     fmt, hq, hkv, d = "float8_e4m3fn", 16, 2, 128
     scales = rng.uniform(0.004, 0.03, (1, 2, hkv)).astype(np.float32)
     cache = _cache(
@@ -116,15 +123,18 @@ def test_fp8_decode_of_a_group_of_eight_through_the_cache(target, sliding, rng):
         max_total_seq_len=2048,
         prefill_chunk_size=512,
         support_sliding_window=sliding,
-        decode_splits=4,
+        decode_splits=splits,
     )
     model = CacheModel(1, hq, hkv, d, dtype="float16", kv_store=_store(scales, fmt))
     for s in (0, 1, 2):
         cache.add_sequence(s)
         model.add(s)
     _step(cache, model, rng, [0, 1, 2], [300, 17, 1])
+    small = "paged_decode_append_small_batch" in cache.kernels  # (sm_90 tensor-core sets)
+    arch = cache.config.cuda_arch or default_cuda_arch()
+    assert small == (target == "cuda" and not sliding and arch == "sm_90")
     for _ in range(3):
-        _step(cache, model, rng, [0, 1, 2], [1, 1, 1], split=True)
+        _step(cache, model, rng, [0, 1, 2], [1, 1, 1], split=splits > 1, layout="_small_batch" if small else "")
     cache.check_integrity()
 
 

@@ -10,6 +10,8 @@ softmax, as it does with fp16 pages.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import shutil
 import subprocess
@@ -561,7 +563,8 @@ def test_fp8_tensor_core_decode(target, shape, rng):
     "shape, mode", [(TC_SHAPES[0], "none"), (TC_SHAPES[0], "normal"), (TC_SHAPES[1], "none")], ids=str
 )
 def test_fp8_tensor_core_decode_with_append(target, shape, mode, rng):
-    """A decode layer in one launch on the tensor cores (``paged_decode_append``, split or not): the new
+    """A decode layer in one launch on the tensor cores (``paged_decode_append``, split or not, in both
+    layouts: the default and the small-batch one, ``*_small_batch``): the new
     token's K / V codes (k rotated in rope mode "normal", rounded to fp16 first, as split_rope_append
     stores it) land in their slots bit for bit, and the output matches the fp64 decode over the pages
     holding them, though those slots held NaN codes when the kernel started (the blocks that read the
@@ -573,6 +576,7 @@ def test_fp8_tensor_core_decode_with_append(target, shape, mode, rng):
     h_qo, h_kv, d, p, fmt = shape
     spec = KernelSpec(h_qo, h_kv, d, p, "float16", target, fmt)
     lib = load_kernels(spec, rope_mode=mode)
+    assert "paged_decode_append_small_batch" in lib and "paged_decode_append_split_small_batch" in lib
     scale = (rng.uniform(0.5, 3.0, (2, h_kv)) / 448.0 * 4).astype(np.float32)
     kv_lens = [1, p, 2 * p + 3, 37, 300, 1000]  # the new token is each sequence's last slot
     B = len(kv_lens)
@@ -596,21 +600,22 @@ def test_fp8_tensor_core_decode_with_append(target, shape, mode, rng):
     tables = [to_dev(a, target) for a in tab.tables()]
     head = (to_dev(qkv, target), to_dev(q_pos, target))
     blocks = split_granule(spec)[0]
-    for kv_chunk in (None, 64, 200):
+    for layout, kv_chunk in itertools.product(("", "_small_batch"), (None, 64, 200, 256)):
         pages = to_dev(stale.view(fp8_ref.np_dtype(fmt)), target)
         args = (*head, pages, to_dev(scale, target), *tables, to_dev(slot, target))
         o = to_dev(np.ones((B, h_qo, d), np.float16), target)
         lse = to_dev(np.zeros((B, h_qo), np.float32), target)
         if kv_chunk is None:
-            lib["paged_decode_append"](*args, o, lse, sm_scale, *ROPE)
+            lib["paged_decode_append" + layout](*args, o, lse, sm_scale, *ROPE)
         else:
             S = -(-max(kv_lens) // kv_chunk)
             o_part = to_dev(np.full((S, B, h_qo, d), np.nan, np.float32), target)
             lse_part = to_dev(np.full((S, B, h_qo), np.nan, np.float32), target)
             counter = to_dev(np.zeros(B * blocks, np.int32), target)
-            lib["paged_decode_append_split"](*args, o_part, lse_part, counter, o, lse, sm_scale, *ROPE, kv_chunk)
+            kernel = lib["paged_decode_append_split" + layout]
+            kernel(*args, o_part, lse_part, counter, o, lse, sm_scale, *ROPE, kv_chunk)
             assert not counter.numpy().any()
-        assert np.array_equal(pages.numpy().view(np.uint8), want), kv_chunk
+        assert np.array_equal(pages.numpy().view(np.uint8), want), (layout, kv_chunk)
         _check(o, lse, o_ref, lse_ref)
 
 
@@ -639,10 +644,57 @@ def test_fp8_split_granule_follows_the_decode_layout():
             decode_layout(spec, tensor_cores=True)
 
 
+def test_fp8_small_batch_decode_layout_for_steps_of_few_blocks(monkeypatch):
+    """sm_90 kernel sets with the tensor-core decode carry a second one-launch layout (8 warps of 16
+    keys: ``paged_decode_append[_split]_small_batch``; not for sm_89, whose shared memory a block of it
+    would exceed); the runtime picks it for a decode step whose blocks, its split's chunks included,
+    fill the SMs at most once, with the split the default layout would take (what was measured; the
+    kernels take any chunk), and keeps the default layout above that (a forced split included, and
+    beyond the in-kernel merge's 64 chunks), without those kernels, and where the step does not launch
+    once."""
+    import tvm
+
+    from tvmkv.config import CacheConfig
+    from tvmkv.runtime import launch
+    from tvmkv.tir import kernel_set, small_batch_granule, split_granule
+
+    spec = KernelSpec(32, 8, 128, 16, "float16", "cuda", "float8_e4m3fn")
+    assert small_batch_granule(spec) == (8, 128) and split_granule(spec) == (8, 64)
+    assert small_batch_granule(KernelSpec(32, 8, 128, 16, "float16", "cuda")) is None  # 16-bit pages
+    assert small_batch_granule(KernelSpec(32, 8, 128, 16, "bfloat16", "cuda", "float8_e4m3fn")) is None
+    names = set(kernel_set(spec, rope_mode="none", arch="sm_90"))
+    small = {"paged_decode_append_small_batch", "paged_decode_append_split_small_batch"}
+    assert small <= names
+    assert not small & set(kernel_set(spec, rope_mode="none", arch="sm_89"))  # (measured on sm_90 only)
+    assert not small & set(kernel_set(spec, rope_mode="inline", arch="sm_90"))  # CUDA-core fp8 decode
+    cfg = CacheConfig(1, 32, 8, 128, kv_dtype="float8_e4m3fn", target_kind="cuda", max_batch_size=64)
+    L = launch.Launcher(cfg, tvm.cpu(0), dict.fromkeys(names), 132)
+    for batch, keys in [(1, 1024), (1, 16384), (4, 1024), (16, 1024)]:
+        split = L.decode_split(batch, keys)
+        assert split.layout == "_small_batch", (batch, keys)
+        assert batch * 8 * split.num_splits <= 132
+        assert split.num_splits * split.kv_chunk >= keys or split.num_splits == 1
+    assert L.decode_split(1, 1024) == (8, 128, "_small_batch")  # plan_split over 64-key tiles
+    assert L.decode_split(16, 1024) == (1, 0, "_small_batch")
+    for batch, keys in [(17, 1024), (32, 1024), (64, 4096)]:
+        assert L.decode_split(batch, keys).layout == ""
+    monkeypatch.setattr(launch, "ONE_LAUNCH_DECODE", False)
+    assert L.decode_split(1, 1024) == (8, 128, "")  # two launches: the default layout's kernels
+    monkeypatch.undo()
+    without = launch.Launcher(cfg, tvm.cpu(0), dict.fromkeys(names - small), 132)
+    assert without.decode_split(1, 1024) == (8, 128, "")
+    # forced splits: the layout follows the grid they make, and the one-launch merge's 64 chunks
+    forced = launch.Launcher(dataclasses.replace(cfg, decode_splits=4), tvm.cpu(0), dict.fromkeys(names), 132)
+    assert forced.decode_split(4, 16384) == (4, 4096, "_small_batch")  # 128 blocks
+    assert forced.decode_split(16, 16384) == (4, 4096, "")  # 512 blocks: the default layout
+    wide = launch.Launcher(dataclasses.replace(cfg, decode_splits=128), tvm.cpu(0), dict.fromkeys(names), 132)
+    assert wide.decode_split(1, 16384) == (128, 128, "")  # merged by merge_splits: two launches
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_fp8_cuda_decode_compiles(tmp_path):
     """The CUDA decode over fp8 pages (unsplit, split, split + merge, and on the tensor cores the
-    one-launch layer with its append; both formats) gives source nvcc
+    one-launch layer with its append, in both layouts; both formats) gives source nvcc
     accepts for sm_89 and sm_90 (the pair conversions need sm_89): the tensor-core schedule (fp16
     activations, head_dim 128, with pages of 8 slots too) and the CUDA-core one (head_dim 64 and 256; a
     sliding window with attention sink at 256; bf16 activations at 128: the tensor-core layout does not
@@ -651,6 +703,7 @@ def test_fp8_cuda_decode_compiles(tmp_path):
     runs on a machine without a GPU. (Inline RoPE over fp8 pages runs in
     test_fp8_decode_with_inline_rope_and_window on the GPU.)"""
     from tvmkv.build import compile_funcs
+    from tvmkv.tir.decode import make_paged_decode_append
     from tvmkv.tir.decode_cuda import decode_layout, make_paged_decode_cuda
 
     funcs = {}
@@ -673,9 +726,11 @@ def test_fp8_cuda_decode_compiles(tmp_path):
         funcs[f"split_{k}"] = make_paged_decode_cuda(spec, split=True, **extra)
         funcs[f"split_merge_{k}"] = make_paged_decode_cuda(spec, split=True, merge=True, **extra)
         names = [f"decode_{k}", f"split_{k}", f"split_merge_{k}"]
-        if tc:  # the one-launch decode layer (rope mode "normal": q and the new key rotated), split + merge
+        if tc:  # the one-launch decode layer (rope mode "normal": q and the new key rotated), split + merge,
+            # in the default layout and the small-batch one
             funcs[f"append_{k}"] = make_paged_decode_cuda(spec, split=True, merge=True, append=True, rotate=True)
-            names.append(f"append_{k}")
+            funcs[f"append_small_{k}"] = make_paged_decode_append(spec, rotate=True, split=True, small_batch=True)
+            names += [f"append_{k}", f"append_small_{k}"]
         for name in names:  # each kernel on its own schedule
             assert ("T.ptx.mma(" in funcs[name].script()) == tc, name
     with pytest.raises(ValueError, match="tensor_cores=True"):

@@ -249,9 +249,10 @@ def test_split_plan_covers_keys_without_empty_chunks(blocks, tile, sms):
     for batch in (1, 2, 7, 32, 64, 256):
         for max_keys in (1, 5, tile, 3 * tile + 1, 1000, 4096, 33000):
             for forced in (None, 1, 2, 5, 64):
-                S, chunk = plan_split(
+                S, chunk, layout = plan_split(
                     batch, max_keys, blocks_per_seq=blocks, tile_keys=tile, num_sms=sms, max_splits=forced
                 )
+                assert layout == ""  # (the launcher picks a layout, plan_split never)
                 what = f"batch {batch}, keys {max_keys}, forced {forced}: {S} x {chunk}"
                 if S == 1:
                     continue
@@ -262,20 +263,20 @@ def test_split_plan_covers_keys_without_empty_chunks(blocks, tile, sms):
                 else:
                     assert S <= forced, what
     # long context, batch 1, a big GPU: split wide; a full batch: no split; off: never
-    assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132) == (16, 256)
-    assert plan_split(1, 1024, blocks_per_seq=8, tile_keys=64, num_sms=132) == (8, 128)
-    assert plan_split(8, 1024, blocks_per_seq=8, tile_keys=64, num_sms=132) == (2, 512)
+    assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132) == (16, 256, "")
+    assert plan_split(1, 1024, blocks_per_seq=8, tile_keys=64, num_sms=132) == (8, 128, "")
+    assert plan_split(8, 1024, blocks_per_seq=8, tile_keys=64, num_sms=132) == (2, 512, "")
     assert plan_split(16, 1024, blocks_per_seq=8, tile_keys=64, num_sms=132).num_splits == 1
     assert plan_split(256, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132).num_splits == 1
     assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=64, num_sms=132, max_splits=1).num_splits == 1
     assert plan_split(1, 4096, blocks_per_seq=8, tile_keys=1, num_sms=0).num_splits == 1
     # a kernel that runs 2 blocks per SM (MLA at 16 heads): the grid may fill 2 x the SMs, no more
     for batch, keys in ((64, 4096), (128, 2048), (1, 1024), (32, 1024)):
-        S1, _ = plan_split(batch, keys, blocks_per_seq=1, tile_keys=32, num_sms=132)
-        S2, chunk = plan_split(batch, keys, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2)
+        S1 = plan_split(batch, keys, blocks_per_seq=1, tile_keys=32, num_sms=132).num_splits
+        S2 = plan_split(batch, keys, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2).num_splits
         assert S2 >= S1 and (S2 == 1 or batch * S2 <= 2 * 132), (batch, keys, S1, S2)
-    assert plan_split(64, 4096, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2) == (4, 1024)
-    assert plan_split(128, 2048, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2) == (2, 1024)
+    assert plan_split(64, 4096, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2) == (4, 1024, "")
+    assert plan_split(128, 2048, blocks_per_seq=1, tile_keys=32, num_sms=132, blocks_per_sm=2) == (2, 1024, "")
 
 
 def test_decode_splits_option_is_validated():

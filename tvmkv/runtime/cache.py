@@ -1271,8 +1271,9 @@ class PagedAttentionKVCache:
     def debug_forward(self) -> ForwardInfo:
         """The open forward as planned: attention kernel, decode split, whether it advanced the previous
         decode step's plan in place, its index-buffer slot, whether it was planned on the device
-        (``device_planning``), and every index array read back from the
-        device (NumPy copies; ``page_indices`` is longer than used: read it through ``page_indptr``)."""
+        (``device_planning``), whether its fp8 pages were widened, the decode's one-launch layout, and every
+        index array read back from the device (NumPy copies; ``page_indices`` is longer than used: read it
+        through ``page_indptr``)."""
         fwd = self._fwd
         if fwd is None:
             raise ForwardStateError("debug_forward called outside begin_forward/end_forward")
@@ -1286,6 +1287,7 @@ class PagedAttentionKVCache:
             arrays,
             on_device,
             fwd.widened is not None,
+            fwd.decode_split.layout if fwd.single else "",  # (the layout of the one launch bound)
         )
 
     def graph_key(self) -> tuple:

@@ -24,10 +24,13 @@ MAX_SPLITS = 64
 
 class DecodeSplit(NamedTuple):
     """How one decode step cuts its sequences: ``num_splits`` chunks of ``kv_chunk`` visited keys
-    (``num_splits == 1``: no split, the plain ``paged_decode`` runs)."""
+    (``num_splits == 1``: no split, the plain ``paged_decode`` runs), and the suffix of the one-launch
+    kernel's layout the split was planned for (``""``; ``"_small_batch"``: the tensor-core decode's
+    layout for steps of few blocks, ``tvmkv.tir.small_batch_granule``)."""
 
     num_splits: int
     kv_chunk: int
+    layout: str = ""
 
 
 NO_SPLIT = DecodeSplit(1, 0)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from ..config import CacheConfig
 from ..target import default_cuda_arch
-from ..tir import split_granule
+from ..tir import small_batch_granule, split_granule
 from ..tir.decode_layout import MERGE_MAX_SPLITS
 from ..tir.mla_layout import mla_blocks_per_sm, mla_split_granule
 from .decode_split import BLOCKS_PER_SM, NO_SPLIT, DecodeSplit, plan_split
@@ -103,6 +103,7 @@ class ForwardInfo:
     arrays: dict  # name -> NumPy copy of the uploaded index array (docs/layout.md)
     planned_on_device: bool = False  # its arrays written by plan_decode from the device page table
     widened: bool = False  # a prefill over fp8 pages run on their codes widened to 16 bits (Forward.widened)
+    decode_layout: str = ""  # the layout of the decode's bound one-launch kernel (DecodeSplit.layout; "_small_batch")
 
 
 def device_views(ib: IndexBuffers, slot: int, layout: PackedLayout) -> dict:
@@ -136,6 +137,11 @@ class Launcher:
             )
         rotating = config.rope_mode == "normal" and not config.is_mla and not config.kernel_spec.fp8_pages
         self._one_launch = ONE_LAUNCH_ROTATING_DECODE or not rotating  # (see ONE_LAUNCH_ROTATING_DECODE)
+        # the tensor-core decode's layout for steps whose blocks fill the SMs at most once, where the
+        # library has it (its one-launch kernels, split and not)
+        small = ("paged_decode_append_small_batch", "paged_decode_append_split_small_batch")
+        has_small = self.granule is not None and not config.is_mla and all(name in kernels for name in small)
+        self.small_granule = small_batch_granule(config.kernel_spec) if has_small else None
         cfg, n, empty = config, config.prefill_chunk_size, tvm.runtime.empty
         self._scratch_views: dict = {}
         self._part_bufs: tuple | None = None
@@ -145,7 +151,8 @@ class Launcher:
         if not config.is_mla and "paged_decode_split_merge" in kernels and self.granule is not None:
             import numpy as np
 
-            rows = config.max_batch_size * self.granule[0]  # the split's blocks per sequence
+            # the split's blocks per sequence (of either decode layout: both have the group's)
+            rows = config.max_batch_size * max(self.granule[0], (self.small_granule or (0,))[0])
             self._counter = tvm.runtime.tensor(np.zeros(rows, np.int32), device)
         if config.is_mla:  # MLA layers launch from the cache's own calls (append_mla_kv, cross_attention)
             self._scratch_bufs: dict = {}
@@ -158,11 +165,14 @@ class Launcher:
         )
 
     def decode_split(self, batch: int, max_keys: int) -> DecodeSplit:
-        """How a decode step of ``batch`` sequences, the longest of ``max_keys`` keys, is cut."""
+        """How a decode step of ``batch`` sequences, the longest of ``max_keys`` keys, is cut, and for
+        which one-launch layout: the small-batch one (``small_granule``) where the step's blocks, its
+        split's chunks included, fill the SMs at most once and it launches once, else the default. The
+        split is the default layout's either way (what was measured; the kernels take any chunk)."""
         if self.granule is None:
             return NO_SPLIT
         blocks, tile = self.granule
-        return plan_split(
+        split = plan_split(
             batch,
             max_keys,
             blocks_per_seq=blocks,
@@ -172,6 +182,16 @@ class Launcher:
             blocks_per_sm=self.blocks_per_sm,
             stable=self.config.stable_decode_splits,
         )
+        small = self.small_granule
+        if (
+            small is not None
+            and ONE_LAUNCH_DECODE
+            and self._one_launch
+            and batch * small[0] * split.num_splits <= self.num_sms  # (a forced split may pass it)
+            and split.num_splits <= MERGE_MAX_SPLITS  # (more: split + merge_splits, two launches)
+        ):
+            return split._replace(layout="_small_batch")
+        return split
 
     def scratch(self, total: int) -> dict:
         """Views ``[total, ...]`` of the q/k/v/lse scratch buffers allocated once for
@@ -299,14 +319,16 @@ class Launcher:
         ``kernel(qkv, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta, *trailing)``; ``()``
         otherwise (then ``split_rope_append`` and the attention kernels launch). A split needs the
         in-kernel merge (``fwd.counter``, bound by :meth:`bind`)."""
-        lib, d = self.kernels, fwd.dev
+        lib, d, layout = self.kernels, fwd.dev, fwd.decode_split.layout
         tail = (*_paged_tail(d)[:4], d["slots"])
         if fwd.decode_split.num_splits == 1:
-            return (lib["paged_decode_append"], (d["q_pos"],), tail, ()) if "paged_decode_append" in lib else ()
-        if fwd.counter is None or "paged_decode_append_split" not in lib:
+            name = "paged_decode_append" + layout
+            return (lib[name], (d["q_pos"],), tail, ()) if name in lib else ()
+        name = "paged_decode_append_split" + layout
+        if fwd.counter is None or name not in lib:
             return ()
         tail += (*fwd.parts, fwd.counter)
-        return lib["paged_decode_append_split"], (d["q_pos"],), tail, (fwd.decode_split.kv_chunk,)
+        return lib[name], (d["q_pos"],), tail, (fwd.decode_split.kv_chunk,)
 
     def bind(
         self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT, pages=None
@@ -360,8 +382,8 @@ class Launcher:
         if kernel == "paged_decode":
             fwd.attn_head = (s["q"], d["q_pos"])
             fwd.attn_tail = paged_tail[:4]
+            fwd.decode_split = decode_split  # (unsplit too: its layout picks the one-launch kernel)
             if decode_split.num_splits > 1:
-                fwd.decode_split = decode_split
                 fwd.parts = self._split_parts(decode_split, total)
                 if self._counter is not None and decode_split.num_splits <= MERGE_MAX_SPLITS:
                     # the last block of each group merges the chunks: one launch

@@ -17,7 +17,7 @@ Modules:
   ``prefill_hopper`` (sm_90: warpgroup MMA) and ``decode_cuda`` (the fast CUDA schedules),
   ``prefill`` / ``ragged`` / ``decode`` (the factories, which pick the schedule, by target and arch;
   ``decode`` also holds the llvm split decode), ``decode_layout`` (the CUDA decode's static layout
-  and :func:`split_granule`; no TVM import).
+  and :func:`split_granule`, :func:`small_batch_granule`; no TVM import).
 * data movement: ``append`` (and ``append_qkv``, reading the fused qkv), ``rope`` (``split_rope``,
   ``rope_q``, ``split_rope_append`` = split_rope + append in one kernel; their RoPE variants are described
   by ``rope_scaling``'s :class:`RopeScaling`, plain Python), ``merge`` (``merge_state``,
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .decode_layout import split_granule
+from .decode_layout import small_batch_granule, split_granule
 from .foreign_layouts import LAYOUTS, foreign_shape
 from .rope_scaling import RopeScaling
 from .spec import KernelSpec
@@ -65,7 +65,9 @@ def kernel_set(
     Rope mode "none" adds ``append_qkv``, ``paged_prefill_causal_qkv`` and
     ``ragged_prefill_causal_qkv``: a prefill that reads q (and, ragged, k and v) straight from the
     fused qkv, so it needs no ``split_rope``; the ragged one also stores the new K/V (docs/layout.md,
-    "Fused qkv").
+    "Fused qkv"). On cuda, ``paged_decode_append[_split]`` run a decode layer in one launch; where that
+    decode runs on the tensor cores (fp8 pages) and ``arch`` is sm_90, ``paged_decode_append[_split]_small_batch``
+    do the same with the layout of steps whose blocks fill the SMs at most once (:func:`small_batch_granule`).
     """
     from . import append, decode, merge, page_ops, plan_ops, prefill, ragged, rope
 
@@ -127,6 +129,18 @@ def kernel_set(
             # None, split_rope_append + paged_decode)
             if f is not None and kernels["paged_decode_split"] is not None:
                 kernels[name] = f
+                # the tensor-core decode's layout for steps of few blocks: sm_90 only (measured there; its
+                # 96 KiB ring plus the warps' partial states pass sm_89's 99 KiB of shared memory a block)
+                small = decode.make_paged_decode_append(
+                    spec,
+                    sliding=sliding,
+                    inline_rope=inline,
+                    rotate=rope_mode == "normal",
+                    split=split,
+                    small_batch=True,
+                )
+                if small is not None and arch == "sm_90":
+                    kernels[name + "_small_batch"] = small
     if rope_mode == "none":  # prefill reading q / k / v from the fused qkv in place (no split_rope)
         kernels["append_qkv"] = append.make_append(spec, fused_qkv=True)
         kernels["paged_prefill_causal_qkv"] = prefill.make_paged_prefill(
@@ -150,4 +164,13 @@ def kernel_set(
     return kernels
 
 
-__all__ = ["KernelSpec", "RopeScaling", "kernel_set", "ROPE_MODES", "split_granule", "LAYOUTS", "foreign_shape"]
+__all__ = [
+    "KernelSpec",
+    "RopeScaling",
+    "kernel_set",
+    "ROPE_MODES",
+    "split_granule",
+    "small_batch_granule",
+    "LAYOUTS",
+    "foreign_shape",
+]

@@ -115,7 +115,13 @@ def make_paged_decode_split_merge(spec: KernelSpec, *, sliding: bool = False, in
 
 
 def make_paged_decode_append(
-    spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False, rotate: bool = False, split: bool = False
+    spec: KernelSpec,
+    *,
+    sliding: bool = False,
+    inline_rope: bool = False,
+    rotate: bool = False,
+    split: bool = False,
+    small_batch: bool = False,
 ):
     """A decode step's whole layer in one launch: ``split_rope_append`` folded into ``paged_decode``
     (``split``: into ``paged_decode_split_merge``). cuda with the fast decode layout: 16-bit pages, and
@@ -142,19 +148,26 @@ def make_paged_decode_append(
         As :func:`make_paged_decode_split_merge`.
     o, lse, sm_scale, rope_scale, rope_theta, kv_chunk (``split`` only)
         As :func:`make_paged_decode` / :func:`make_paged_decode_split`.
+
+    ``small_batch``: the tensor-core layout for steps whose blocks fill the SMs at most once
+    (``decode_layout.TC_SMALL_WARPS`` warps a block; the ``*_small_batch`` kernels); ``None`` where the
+    decode does not run on the tensor cores.
     """
     if spec.target_kind != "cuda":
         return None
-    if spec.fp8_pages:
-        from .decode_layout import decode_layout
+    layout = {}
+    if spec.fp8_pages or small_batch:
+        from .decode_layout import TC_SMALL_GROUPS, TC_SMALL_WARPS, decode_layout
 
         lay = None if sliding or inline_rope else decode_layout(spec)
         if lay is None or not lay["TC"]:
             return None
+        if small_batch:
+            layout = dict(num_warps=TC_SMALL_WARPS, tc_groups=TC_SMALL_GROUPS)
     from .decode_cuda import make_paged_decode_cuda
 
     return make_paged_decode_cuda(
-        spec, sliding=sliding, inline_rope=inline_rope, split=split, merge=split, append=True, rotate=rotate
+        spec, sliding=sliding, inline_rope=inline_rope, split=split, merge=split, append=True, rotate=rotate, **layout
     )
 
 

@@ -30,6 +30,14 @@ FP8_LOAD_BYTES = 64
 TC_WARPS = 2
 TC_GROUPS = 2
 TC_MAX_HEADS = 8
+# ... but where a decode step's blocks fill the SMs at most once (batch x blocks per sequence <= SMs,
+# after the split: small batches, one long sequence), 2 warps a block leave an SM too little to keep its
+# copies and products going: there 8 warps of 16 keys (128-key tiles) measured 1.3-1.9x faster through
+# the public API (H200, H_qo 32, H_kv 8, D 128: 1x1024 20.6 -> 12.9 us, 1x16384 40.4 -> 20.9, 16x1024
+# 22.8 -> 16.7) and slower beyond (32x1024 28.7 -> 33.1; bench/RESULTS.md). Kernel sets with the
+# tensor-core decode carry both layouts; the runtime picks per step (small_batch_granule)
+TC_SMALL_WARPS = 8
+TC_SMALL_GROUPS = 1
 # head_dim 256 stays on the CUDA cores: there the tensor-core kernel spilled registers (ptxas) and
 # measured 0.93-1.15x the CUDA-core time on an H100 (32x1024, 64x4096, 128x2048; bench/RESULTS.md), and its
 # 96 KiB ring would not fit sm_89's shared memory
@@ -131,6 +139,14 @@ def tensor_core_layout(spec: KernelSpec, num_warps: int | None = None, tc_groups
     group = spec.group
     GQ = max(x for x in range(1, min(group, TC_MAX_HEADS) + 1) if group % x == 0)
     return {"TC": True, "NK": nk, "GQ": GQ, "NW": nw, "KB": nw * 16 * nk, "NGB": group // GQ}
+
+
+def small_batch_granule(spec: KernelSpec) -> tuple | None:
+    """``(blocks per sequence, keys per tile)`` of the tensor-core decode's small-batch layout
+    (:data:`TC_SMALL_WARPS` warps of ``16 TC_SMALL_GROUPS`` keys: the ``*_small_batch`` one-launch
+    kernels), or ``None`` where ``spec`` has no tensor-core decode."""
+    lay = tensor_core_layout(spec, TC_SMALL_WARPS, TC_SMALL_GROUPS)
+    return None if lay is None else (spec.num_kv_heads * lay["NGB"], lay["KB"])
 
 
 def split_granule(spec: KernelSpec, *, sliding: bool = False, inline_rope: bool = False) -> tuple:
