@@ -131,15 +131,19 @@ def kernel_set(
                 kernels[name] = f
                 # the tensor-core decode's layout for steps of few blocks: sm_90 only (measured there; its
                 # 96 KiB ring plus the warps' partial states pass sm_89's 99 KiB of shared memory a block)
-                small = decode.make_paged_decode_append(
-                    spec,
-                    sliding=sliding,
-                    inline_rope=inline,
-                    rotate=rope_mode == "normal",
-                    split=split,
-                    small_batch=True,
+                small = (
+                    decode.make_paged_decode_append(
+                        spec,
+                        sliding=sliding,
+                        inline_rope=inline,
+                        rotate=rope_mode == "normal",
+                        split=split,
+                        small_batch=True,
+                    )
+                    if arch == "sm_90"
+                    else None
                 )
-                if small is not None and arch == "sm_90":
+                if small is not None:
                     kernels[name + "_small_batch"] = small
     if rope_mode == "none":  # prefill reading q / k / v from the fused qkv in place (no split_rope)
         kernels["append_qkv"] = append.make_append(spec, fused_qkv=True)

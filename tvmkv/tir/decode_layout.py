@@ -34,8 +34,8 @@ TC_MAX_HEADS = 8
 # after the split: small batches, one long sequence), 2 warps a block leave an SM too little to keep its
 # copies and products going: there 8 warps of 16 keys (128-key tiles) measured 1.3-1.9x faster through
 # the public API (H200, H_qo 32, H_kv 8, D 128: 1x1024 20.6 -> 12.9 us, 1x16384 40.4 -> 20.9, 16x1024
-# 22.8 -> 16.7) and slower beyond (32x1024 28.7 -> 33.1; bench/RESULTS.md). Kernel sets with the
-# tensor-core decode carry both layouts; the runtime picks per step (small_batch_granule)
+# 22.8 -> 16.7) and slower beyond (32x1024 28.7 -> 33.1; bench/RESULTS.md). sm_90 kernel sets with
+# the tensor-core decode carry both layouts; the runtime picks per step (small_batch_granule)
 TC_SMALL_WARPS = 8
 TC_SMALL_GROUPS = 1
 # head_dim 256 stays on the CUDA cores: there the tensor-core kernel spilled registers (ptxas) and
