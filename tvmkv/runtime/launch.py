@@ -138,9 +138,10 @@ class Launcher:
         rotating = config.rope_mode == "normal" and not config.is_mla and not config.kernel_spec.fp8_pages
         self._one_launch = ONE_LAUNCH_ROTATING_DECODE or not rotating  # (see ONE_LAUNCH_ROTATING_DECODE)
         # the tensor-core decode's layout for steps whose blocks fill the SMs at most once, where the
-        # library has it (its one-launch kernels, split and not)
+        # library has it (its one-launch kernels, split and not) and decode steps launch once
         small = ("paged_decode_append_small_batch", "paged_decode_append_split_small_batch")
-        has_small = self.granule is not None and not config.is_mla and all(name in kernels for name in small)
+        has_small = self.granule is not None and not config.is_mla and self._one_launch
+        has_small = has_small and all(name in kernels for name in small)
         self.small_granule = small_batch_granule(config.kernel_spec) if has_small else None
         cfg, n, empty = config, config.prefill_chunk_size, tvm.runtime.empty
         self._scratch_views: dict = {}
@@ -186,7 +187,6 @@ class Launcher:
         if (
             small is not None
             and ONE_LAUNCH_DECODE
-            and self._one_launch
             and batch * small[0] * split.num_splits <= self.num_sms  # (a forced split may pass it)
             and split.num_splits <= MERGE_MAX_SPLITS  # (more: split + merge_splits, two launches)
         ):
