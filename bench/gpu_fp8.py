@@ -30,11 +30,9 @@ from _common import CudaTimer
 # issue 17's decode shapes, after the small batches (a step of at most one block per SM, where the
 # tensor-core decode takes its small-batch layout: DecodeSplit.layout)
 DECODE = [(1, 1024), (1, 16384), (16, 1024), (32, 1024), (64, 4096), (128, 4096), (256, 2048)]
-PREFILL = [(1, 0, 4096), (8, 0, 512), (4, 2048, 1024), (4, 8192, 64), (8, 2048, 128)]  # sequences, history, new each
+# sequences, history, new tokens each
+PREFILL = [(1, 0, 4096), (8, 0, 512), (4, 2048, 1024), (4, 8192, 64), (8, 2048, 128), (8, 2048, 16)]
 PAGES = {"fp16": "", "fp8 e4m3": "float8_e4m3fn"}
-# a prefill over fp8 history on sm_90 runs on the pages' codes widened to 16 bits (warpgroup MMA); this row also
-# times the schedule that reads the fp8 pages itself (mma.sync), forced by raising the launch threshold
-READS_FP8 = "fp8 e4m3, reading fp8"
 # a decode of fp8 pages on the tensor cores is one launch (paged_decode_append); this row also times the
 # two launches it replaced (split_rope_append + paged_decode), forced through launch.ONE_LAUNCH_DECODE
 TWO_LAUNCHES = "fp8 e4m3, two launches"
@@ -59,18 +57,14 @@ def _row(timer, case: str, B: int, L: int, new: int, copy_gbs: float) -> dict:
 
     row: dict = {"case": case}
     pages = dict(PAGES)
-    if L and new > 1:
-        pages[READS_FP8] = PAGES["fp8 e4m3"]
     if new == 1:
         pages[TWO_LAUNCHES] = PAGES["fp8 e4m3"]
     for name, kv_dtype in pages.items():
-        threshold = launch.WIDEN_MIN_ROWS
-        launch.WIDEN_MIN_ROWS = 1 << 30 if name == READS_FP8 else threshold
         launch.ONE_LAUNCH_DECODE = name != TWO_LAUNCHES
         try:
             cache = api_cache(B, L, new, kv_dtype=kv_dtype)
         finally:
-            launch.WIDEN_MIN_ROWS, launch.ONE_LAUNCH_DECODE = threshold, True
+            launch.ONE_LAUNCH_DECODE = True
         qkv = torch.rand(B * new, H_QO + 2 * H_KV, D, device="cuda", dtype=torch.float16)
         out = torch.empty(B * new, H_QO, D, device="cuda", dtype=torch.float16)
 
@@ -80,7 +74,6 @@ def _row(timer, case: str, B: int, L: int, new: int, copy_gbs: float) -> dict:
         row[f"{name} device_us"] = timer.time(call)
         row[f"{name} call_us"] = timer.time(call, queued=False)
         row[f"{name} kernel"] = cache.debug_forward().kernel
-        row[f"{name} widened"] = cache.debug_forward().widened
         row[f"{name} layout"] = cache.debug_forward().decode_layout
         keys = B * (L + new)
         nbytes = keys * 2 * H_KV * D * (1 if kv_dtype else 2)
@@ -124,18 +117,14 @@ def main(argv=None) -> int:
             f"{b / a:.2f} | {r['sdpa_us']:.1f} | {b / r['sdpa_us']:.2f} | {r['fp16 kv_MB']:.0f} / "
             f"{r['fp8 e4m3 kv_MB']:.0f} | {r['fp16 of_copy_rate']:.2f} / {r['fp8 e4m3 of_copy_rate']:.2f} |"
         )
-    for variant, label, vs_sdpa in (
-        (TWO_LAUNCHES, "fp8 pages, two launches (split_rope_append + paged_decode)", True),
-        (READS_FP8, "fp8 pages read by the mma.sync schedule", False),
-    ):  # the same forwards on the path each replaced
-        for r in rows:
-            if f"{variant} device_us" in r:
-                b = r[f"{variant} device_us"]
-                sdpa = f"{b / r['sdpa_us']:.2f}" if vs_sdpa else ""
-                lines.append(
-                    f"| {r['case']}, {label} | | {b:.1f} / {r[f'{variant} call_us']:.1f} | "
-                    f"{b / r['fp16 device_us']:.2f} | | {sdpa} | | |"
-                )
+    for r in rows:  # the decode forwards on the two launches the one-launch decode replaced
+        if f"{TWO_LAUNCHES} device_us" in r:
+            b = r[f"{TWO_LAUNCHES} device_us"]
+            lines.append(
+                f"| {r['case']}, fp8 pages, two launches (split_rope_append + paged_decode) | | "
+                f"{b:.1f} / {r[f'{TWO_LAUNCHES} call_us']:.1f} | {b / r['fp16 device_us']:.2f} | | "
+                f"{b / r['sdpa_us']:.2f} | | |"
+            )
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

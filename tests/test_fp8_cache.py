@@ -42,17 +42,13 @@ def _store(scales, fmt):
     return store
 
 
-def _step(cache, model, rng, ids, lens, check_kv=(), split=False, widened=False, layout=None):
+def _step(cache, model, rng, ids, lens, check_kv=(), split=False, layout=None):
     cfg = cache.config
     cache.begin_forward(ids, lens)
     if split:  # a decode cut into chunks (decode_splits)
         assert cache.debug_forward().num_splits > 1
     if layout is not None:  # the one-launch decode's layout (DecodeSplit.layout)
         assert cache.debug_forward().decode_layout == layout
-    # a prefill over fp8 pages run on their codes widened to 16 bits, where the library has that schedule
-    # (widened None: either way, returned)
-    ran_widened = cache.debug_forward().widened
-    assert widened is None or ran_widened == (widened and "widened_prefill_causal" in cache.kernels)
     model.begin(ids, lens)
     raw = cache.debug_forward().kernel.startswith("ragged")  # a prefill without history reads no page
     n = sum(lens)
@@ -70,7 +66,6 @@ def _step(cache, model, rng, ids, lens, check_kv=(), split=False, widened=False,
         assert k.dtype == np.float32
         np.testing.assert_allclose(k, mk, rtol=1e-6, atol=0)
         np.testing.assert_allclose(v, mv, rtol=1e-6, atol=0)
-    return ran_widened
 
 
 @pytest.mark.parametrize("fmt, dtype", [*((f, "float16") for f in FP8_DTYPES), ("float8_e4m3fn", "bfloat16")])
@@ -84,8 +79,7 @@ def test_fp8_cache_matches_the_quantized_model(target, fmt, dtype, rng):
         model.add(s)
     _step(cache, model, rng, [0, 1, 2], [40, 7, 17], check_kv=(0, 1))  # prefill, no history (raw K/V)
     _step(cache, model, rng, [0, 2], [9, 30], check_kv=(2,))  # chunked prefill over fp8 history
-    # ... with enough tokens a sequence that sm_90 widens the pages for the warpgroup-MMA schedule
-    _step(cache, model, rng, [1], [80], check_kv=(1,), widened=True)
+    _step(cache, model, rng, [1], [80], check_kv=(1,))  # ... a chunk of 80 (sm_90: two query blocks)
     for _ in range(3):
         _step(cache, model, rng, [0, 1, 2], [1, 1, 1])
     cache.fork_sequence(1, 3, 5)  # inside a page: the shared partial page is copied (codes)
@@ -549,19 +543,17 @@ def test_fp8_imports_into_a_calibrating_cache(rng):
 
 @pytest.mark.parametrize("rope", ["none", "normal"])
 def test_fp8_prefills_over_history_in_a_random_stream(target, rope, rng):
-    """Chunked prefills over fp8 history of mixed sizes (on sm_90 those of 64+ tokens a sequence run on
-    widened pages, the workspace growing as the forwards' page counts do; the rest read fp8 pages)
-    between forks inside and at page boundaries, rollbacks, removals and decode steps: every output
-    against the quantized model, every stored value exact, the pool's accounting intact. Rope mode
-    "none" reads q from qkv in place (``widened_prefill_causal_qkv``), "normal" rotates it first."""
+    """Chunked prefills over fp8 history of mixed sizes between forks inside and at page boundaries,
+    rollbacks, removals and decode steps: every output against the quantized model, every stored value
+    exact, the pool's accounting intact. Rope mode "none" reads q from qkv in place
+    (``paged_prefill_causal_qkv``), "normal" rotates it first."""
     fmt = "float8_e4m3fn"
     scales = rng.uniform(0.004, 0.03, (L, 2, HKV)).astype(np.float32)
     cache = _cache(
         target, fmt, kv_scales=scales, max_batch_size=4, max_total_seq_len=2048, prefill_chunk_size=256, rope_mode=rope
     )
     model = CacheModel(L, HQ, HKV, D, dtype="float16", kv_store=_store(scales, fmt), rope_mode=rope)
-    widen = "widened_prefill_causal" in cache.kernels
-    live, next_id, widened = [], 0, 0
+    live, next_id = [], 0
     for _ in range(24):
         if len(live) < 3 or rng.random() < 0.2:  # a new sequence, or a fork of a live one
             if live and rng.random() < 0.5:
@@ -582,7 +574,7 @@ def test_fp8_prefills_over_history_in_a_random_stream(target, rope, rng):
         ids = [int(s) for s in rng.permutation(live)[: int(rng.integers(1, len(live) + 1))]]
         if rng.random() < 0.3:  # decode
             lens = [1] * len(ids)
-        else:  # a chunk of a prefill: sizes around the widening threshold
+        else:  # a chunk of a prefill: from one token to two query blocks of the sm_90 schedule
             lens = [int(x) for x in rng.choice([1, 9, 40, 64, 90, 200], len(ids))]
             while sum(lens) > 256:
                 lens[int(np.argmax(lens))] //= 2
@@ -594,29 +586,27 @@ def test_fp8_prefills_over_history_in_a_random_stream(target, rope, rng):
             model.pop(s, k)
         # (stored values compared exactly in rope mode "none" only: a rotated key one fp16 ulp off the
         # fp64 model's, from fp32 cos / sin, may round to the neighbouring fp8 code)
-        widened += _step(cache, model, rng, ids, lens, check_kv=ids[:1] if rope == "none" else (), widened=None)
+        _step(cache, model, rng, ids, lens, check_kv=ids[:1] if rope == "none" else ())
         cache.check_integrity()
-    assert widened >= 3 or not widen
 
 
-def test_fp8_prefill_over_a_shared_prefix_widens_each_page_once(target, rng):
-    """Forks sharing a long prefix, then a prefill of 64+ tokens each over it: the forward's page table
-    lists more pages than the pool holds (the shared ones once per sequence); on sm_90 each distinct
-    page is widened once (the workspace stays within one layer's pool), the table pointing at its row,
-    and every output matches the quantized model."""
+def test_fp8_prefill_over_a_shared_prefix(target, rng):
+    """Forks sharing a long prefix, then a prefill of 64 tokens each over it: the forward's page table
+    lists more pages than the pool holds (the shared ones once per sequence), and every output matches
+    the quantized model."""
     fmt = "float8_e4m3fn"
     scales = rng.uniform(0.004, 0.03, (L, 2, HKV)).astype(np.float32)
     cache = _cache(target, fmt, kv_scales=scales, max_batch_size=4, num_pages=56, prefill_chunk_size=256)
     model = CacheModel(L, HQ, HKV, D, dtype="float16", kv_store=_store(scales, fmt))
     cache.add_sequence(0)
     model.add(0)
-    for n in (200, 200, 200, 40):  # a 40-page prefix (over its own history: widened on sm_90)
-        _step(cache, model, rng, [0], [n], widened=None)
+    for n in (200, 200, 200, 40):  # a 40-page prefix
+        _step(cache, model, rng, [0], [n])
     for child in (1, 2, 3):
         cache.fork_sequence(0, child, 640)
         model.fork(0, child, 640)
     assert cache.num_available_pages() == 16
     # 3 x 44 page-table entries > 56 pages: 52 distinct (the 40 shared once, 4 of each sequence's own)
-    _step(cache, model, rng, [1, 2, 3], [64, 64, 64], check_kv=(2, 3), widened=True)
+    _step(cache, model, rng, [1, 2, 3], [64, 64, 64], check_kv=(2, 3))
     _step(cache, model, rng, [0, 1, 2, 3], [1, 1, 1, 1])
     cache.check_integrity()

@@ -278,6 +278,77 @@ def test_fp8_attention_reads_dequantized(target, fmt, dtype, rng):
     _check(o, lse, o_ref, lse_ref)
 
 
+@pytest.mark.parametrize(
+    "fmt, dtype, hq, d",
+    [("float8_e4m3fn", "float16", 8, 128), ("float8_e5m2", "float16", 8, 128), ("float8_e4m3fn", "bfloat16", 4, 64)],
+)
+def test_fp8_prefill_over_long_history(target, fmt, dtype, hq, d, rng):
+    """Paged prefill over fp8 pages whose history spans many key tiles (on sm_90 the warpgroup-MMA
+    schedule, whose copying warpgroup converts each tile's codes into a ring of three shared-memory slots:
+    700 keys are six 128-key tiles, so every slot is refilled), chunks of 1 to 129 new tokens, causal
+    and not, q separate and in the fused qkv, against the fp64 attention over the dequantized values.
+    The codes cover the format's range: saturated values, subnormals and zeros; then a pool of only
+    subnormal V codes under a V scale that makes them 1 to 3 (keys all zero: each output is a mean of
+    those values), where a conversion flushing subnormals would be off by 1 or more."""
+    h_kv = H_KV
+    spec = KernelSpec(hq, h_kv, d, P, dtype, target, fmt)
+    lib = load_kernels(spec, rope_mode="none")
+    act = numpy_dtype(dtype)
+    scale = (rng.uniform(0.5, 3.0, (2, h_kv)) / 448.0 * 4).astype(np.float32)
+    sm_scale = 1.0 / math.sqrt(d)
+    hist, new = [700, 0, 389, 130], [64, 129, 1, 33]
+    kv_lens = [h + m for h, m in zip(hist, new)]
+    num_pages = sum(-(-n // P) for n in kv_lens) + 3  # (Table's pool)
+    values = rng.standard_normal((num_pages, 2, h_kv, P, d)).astype(np.float32)
+    top = fp8_ref.largest(fmt) * scale[1, 0]
+    values[::3, 1, 0, ::5, :3] = top * np.array([1.5, -4.0, 0.9])  # V beyond (saturated) and near the top
+    tiny = float(fp8_ref.subnormal_half_step(fmt)) * scale[:, :, None] * np.array([0, 1.0, 3.0, 7.0])
+    values[1::4, :, :, 3, 4:8] = tiny  # K and V among the subnormals (and zero)
+    values[2::4, :, :, 7, 8:12] = -tiny
+    tab = Table(rng, kv_lens, fmt, scale, values, h_kv=h_kv, d=d)
+    n = sum(new)
+    q = rng.standard_normal((n, hq, d)).astype(act)
+    q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new)]).astype(np.int32)
+    trees = [np.zeros((1, 2), np.int32), np.zeros(1, np.int32), np.zeros((1, 3), np.int32), np.zeros(1, np.int32)]
+    dev_pages, dev_scale = to_dev(tab.pages, target), to_dev(scale, target)
+    tables = [to_dev(a, target) for a in tab.tables()]
+    for mask, fused in (("causal", False), ("none", False), ("causal", True)):
+        o_ref, lse_ref = ref.paged_prefill(
+            q, q_indptr, q_pos, tab.values, *tab.tables(), *trees, sm_scale, *ROPE, mask=mask
+        )
+        qin = np.concatenate([q, np.full((n, 2 * h_kv, d), np.nan, act)], axis=1) if fused else q
+        o = to_dev(np.zeros_like(q), target)
+        lse = to_dev(np.zeros((n, hq), np.float32), target)
+        head = [to_dev(a, target) for a in (qin, q_indptr, q_pos)]
+        kernel = lib[f"paged_prefill_{mask}" + ("_qkv" if fused else "")]
+        kernel(*head, dev_pages, dev_scale, *tables, *[to_dev(a, target) for a in trees], o, lse, sm_scale, *ROPE)
+        _check(o, lse, o_ref, lse_ref)
+    step = 2 * float(fp8_ref.subnormal_half_step(fmt))  # the smallest subnormal
+    sub_scale = np.stack([np.ones(h_kv), np.full(h_kv, 1 / step)]).astype(np.float32)
+    sub = np.zeros((num_pages, 2, h_kv, P, d), np.float32)
+    sub[:, 1] = rng.integers(1, 4, sub[:, 1].shape) * np.array([1, -1] * (h_kv // 2))[None, :, None, None]
+    tab = Table(rng, kv_lens, fmt, sub_scale, sub, h_kv=h_kv, d=d)
+    o_ref, lse_ref = ref.paged_prefill(q, q_indptr, q_pos, tab.values, *tab.tables(), *trees, sm_scale, *ROPE)
+    assert np.abs(o_ref).min() >= 1
+    o = to_dev(np.zeros_like(q), target)
+    lse = to_dev(np.zeros((n, hq), np.float32), target)
+    head = [to_dev(a, target) for a in (q, q_indptr, q_pos)]
+    tables = [to_dev(a, target) for a in tab.tables()]
+    lib["paged_prefill_causal"](
+        *head,
+        to_dev(tab.pages, target),
+        to_dev(sub_scale, target),
+        *tables,
+        *[to_dev(a, target) for a in trees],
+        o,
+        lse,
+        sm_scale,
+        *ROPE,
+    )
+    _check(o, lse, o_ref, lse_ref)
+
+
 def _decode_vs_format_bound(target, lib, fmt, values, scale, rng):
     """Decode over fp8 pages holding ``values`` under ``scale`` against decode over ``values`` itself:
     per (sequence, query head), the error and the bound the format gives (see
@@ -755,59 +826,51 @@ def test_fp8_cuda_decode_compiles(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("fmt, dtype", [("float8_e4m3fn", "float16"), ("float8_e5m2", "bfloat16")])
-def test_fp8_widen_pages_writes_listed_pages_codes_exactly(target, fmt, dtype, rng):
-    """``widen_pages`` writes row i = the codes of page page_ids[i] as values of the activation dtype,
-    exactly (NumPy: ml_dtypes' decoding, then the cast, which must not round), over the whole range
-    (saturated codes, subnormals, zeros, NaN); only the first m ids are read."""
-    lib = load_kernels(_spec(target, fmt, dtype), rope_mode="none")
-    scale = _scales(rng)
-    values = (rng.standard_normal((9, 2, H_KV, P, D)) * 200).astype(np.float32) * scale[None, :, :, None, None]
-    values[4, 0, 1, 2, :4] = [0.0, -0.0, 1e-30, -1e-30]
-    values[4, 0, 1, 2, 4:8] = scale[0, 1] * fp8_ref.largest(fmt) * np.array([1, -1, 1e-3, -1e-4], np.float32)
-    codes = fp8_ref.quantize_pages(values, scale, fmt)
-    codes.view(np.uint8)[4, 1, 0, 3, :2] = [0x7F, 0xFF]  # NaN codes (both formats)
-    ids = np.array([4, 0, 7, 7, 2, 8], np.int32)  # a repeated page too; the last id is not read (m = 5)
-    exact = codes[ids[:5]].astype(np.float64)
-    out = to_dev(np.zeros((5, 2, H_KV, P, D), numpy_dtype(dtype)), target)
-    lib["widen_pages"](to_dev(codes, target), to_dev(ids, target), out)
-    got = out.numpy().astype(np.float64)
-    nan = np.isnan(exact)
-    assert nan.sum() == 2 and np.array_equal(np.isnan(got), nan)
-    assert np.array_equal(got[~nan], exact[~nan])
-
-
-def test_fp8_prefill_widens_where_16bit_pages_take_warpgroup_mma(tmp_path):
-    """A cuda sm_90 kernel set of fp8 pages (16-bit activations, no sliding window, no inline RoPE) adds
-    ``widen_pages`` and the 16-bit pages' warpgroup-MMA prefill taking the scales
-    (``widened_prefill_causal``, ``_qkv`` in rope mode "none") for the runtime to run a prefill over fp8
-    history on; other archs and variants keep the schedule that reads fp8 pages, and asking for the
-    scaled warpgroup-MMA kernel outside its layout is refused. The new kernels compile for sm_90a with
-    nvcc, no spills (runs without a GPU)."""
+def test_fp8_prefill_on_warpgroup_mma_converts_the_codes(tmp_path):
+    """A cuda sm_90 kernel set of fp8 pages builds its paged prefills (causal and not, q separate and in
+    the fused qkv) on the warpgroup-MMA schedule, which converts the codes itself (its copying
+    warpgroup), taking ``kv_scale`` after ``pages``; nothing widens pages beforehand any more. Other
+    archs and variants keep their schedules, and the schedule without a copying warpgroup refuses fp8
+    pages. nvcc compiles the kernels for sm_90a: no spills, no serialized wgmma (runs without a GPU)."""
     from conftest import assert_sm90a_clean
 
     from tvmkv.tir import kernel_set
-    from tvmkv.tir.page_ops import make_widen_pages
     from tvmkv.tir.prefill import make_paged_prefill, uses_warpgroup_mma
+    from tvmkv.tir.prefill_hopper import make_prefill_hopper
 
     spec = KernelSpec(32, 8, 128, 16, "float16", "cuda", "float8_e4m3fn")
-    wide = KernelSpec(32, 8, 128, 16, "float16", "cuda")
-    assert uses_warpgroup_mma(wide, mask="causal", arch="sm_90")
-    assert not uses_warpgroup_mma(spec, mask="causal", arch="sm_90")  # (fp8 pages themselves: mma.sync)
-    assert not uses_warpgroup_mma(wide, mask="causal", arch="sm_89")
-    assert not uses_warpgroup_mma(wide, mask="causal", arch="sm_90", sliding=True)
-    assert not uses_warpgroup_mma(wide, mask="causal", arch="sm_90", inline_rope=True)
-    with pytest.raises(ValueError, match="kv_scale=True"):
-        make_paged_prefill(wide, mask="causal", arch="sm_89", kv_scale=True)
+    assert uses_warpgroup_mma(spec, mask="causal", arch="sm_90")
+    assert not uses_warpgroup_mma(spec, mask="causal", arch="sm_89")
+    assert not uses_warpgroup_mma(spec, mask="causal", arch="sm_90", sliding=True)
+    assert not uses_warpgroup_mma(spec, mask="causal", arch="sm_90", inline_rope=True)
+    with pytest.raises(ValueError, match="producer=True"):
+        make_prefill_hopper(spec, source="paged", mask="causal", arch="sm_90", producer=False)
+    with pytest.raises(ValueError, match="producer_regs=172"):
+        make_prefill_hopper(spec, source="paged", mask="causal", arch="sm_90", producer_regs=172)
     lib = kernel_set(spec, rope_mode="none", arch="sm_90")
-    assert {"widen_pages", "widened_prefill_causal", "widened_prefill_causal_qkv"} <= set(lib)
-    for name in ("widened_prefill_causal", "widened_prefill_causal_qkv"):
+    assert not any("widen" in name for name in lib)
+    for name in ("paged_prefill_causal", "paged_prefill_none", "paged_prefill_causal_qkv"):
         names = [p.name for p in lib[name].params]
         assert "wgmma" in lib[name].script() and names[names.index("pages") + 1] == "kv_scale", names
     funcs = {
-        f"widen_{k}": make_widen_pages(KernelSpec(32, 8, 128, 16, dtype, "cuda", fmt))
-        for k, (fmt, dtype) in enumerate([("float8_e4m3fn", "float16"), ("float8_e5m2", "bfloat16")])
+        "e4m3_fp16_d128": lib["paged_prefill_causal_qkv"],
+        "e5m2_bf16_d128": make_paged_prefill(
+            KernelSpec(32, 8, 128, 16, "bfloat16", "cuda", "float8_e5m2"), mask="causal", arch="sm_90"
+        ),
+        "e4m3_fp16_d64": make_paged_prefill(
+            KernelSpec(8, 2, 64, 16, "float16", "cuda", "float8_e4m3fn"), mask="none", arch="sm_90"
+        ),
     }
-    funcs["widened_prefill"] = lib["widened_prefill_causal"]
-    src = assert_sm90a_clean(funcs, tmp_path, "widen_pages")
-    assert "cvt.rn.f16x2.e4m3x2" in src and "cvt.rn.bf16x2.f32" in src
+    src = assert_sm90a_clean(funcs, tmp_path, "fp8_prefill")
+    assert "cvt.rn.f16x2.e4m3x2" in src and "cvt.rn.f16x2.e5m2x2" in src and "cvt.rn.bf16x2.f32" in src
+    # sm_89 keeps the mma.sync schedule, which converts the codes itself too: nvcc builds it
+    from tvmkv.build import compile_funcs
+
+    sm89 = make_paged_prefill(spec, mask="causal", arch="sm_89", fused_qkv=True)
+    assert "wgmma" not in sm89.script() and "T.ptx.mma(" in sm89.script()
+    src = compile_funcs({"sm89": sm89}, "cuda", "sm_89").mod.imports[0].inspect_source()
+    path = tmp_path / "fp8_prefill_sm89.cu"
+    path.write_text(src)
+    cmd = ["nvcc", "-arch=sm_89", "--cubin", "-diag-suppress=1046,177,550", "-o", str(path.with_suffix(".cubin"))]
+    done = subprocess.run([*cmd, str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -605,11 +605,7 @@ class PagedAttentionKVCache:
         self._step += 1
         if plan.kernel != "paged_decode":
             dev = planner.device_views(plan)
-            at = plan.layout.page_indices_at  # (the host copy of the forward's page table, just uploaded)
-            pages = ib.host[at : at + plan.nnz]
-            self._fwd = L.bind(
-                plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot, pages=pages
-            )
+            self._fwd = L.bind(plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot)
             return
         # a decode forward binds only device views of its shape and slot, and its split: the one bound
         # last over them is kept (Planner.keep_forward) and reused with this step's batch
@@ -1271,9 +1267,8 @@ class PagedAttentionKVCache:
     def debug_forward(self) -> ForwardInfo:
         """The open forward as planned: attention kernel, decode split, whether it advanced the previous
         decode step's plan in place, its index-buffer slot, whether it was planned on the device
-        (``device_planning``), whether its fp8 pages were widened, the decode's one-launch layout, and every
-        index array read back from the device (NumPy copies; ``page_indices`` is longer than used: read it
-        through ``page_indptr``)."""
+        (``device_planning``), the decode's one-launch layout, and every index array read back from the
+        device (NumPy copies; ``page_indices`` is longer than used: read it through ``page_indptr``)."""
         fwd = self._fwd
         if fwd is None:
             raise ForwardStateError("debug_forward called outside begin_forward/end_forward")
@@ -1286,7 +1281,6 @@ class PagedAttentionKVCache:
             fwd.slot,
             arrays,
             on_device,
-            fwd.widened is not None,
             fwd.decode_split.layout if fwd.single else "",  # (the layout of the one launch bound)
         )
 

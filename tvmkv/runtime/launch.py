@@ -16,7 +16,7 @@ them itself: a prefill without history is one launch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..config import CacheConfig
 from ..target import default_cuda_arch
@@ -28,11 +28,6 @@ from .index_buffer import IndexBuffers
 from .plan import PackedLayout
 
 _MAX_SCRATCH_VIEWS = 256  # cached scratch views (one set per distinct token count) before clearing
-# a prefill over fp8 pages widens the forward's pages for the 16-bit pages' faster schedule (kernel set's
-# "widened_prefill_causal") from this many new tokens per sequence on average: each page is then read by
-# enough query rows that the faster products repay converting it (below, the schedule reading fp8 pages
-# itself is kept)
-WIDEN_MIN_ROWS = 64
 # a decode layer is one launch where the library has paged_decode_append; False: split_rope_append + the
 # decode kernel instead (what libraries without it run; benchmarks set it to compare the two)
 ONE_LAUNCH_DECODE = True
@@ -42,20 +37,6 @@ ONE_LAUNCH_DECODE = True
 # the two launches take 32.0 and 53.6 (rope mode "none"'s one launch: 28.5 and 49.7; bench/gpu_decode_rope.py,
 # bench/RESULTS.md "decode in rope mode normal")
 ONE_LAUNCH_ROTATING_DECODE = False
-
-
-class Widened(NamedTuple):
-    """A prefill over fp8 pages run on their codes widened to 16 bits (:attr:`Forward.widened`):
-    ``widen(codes, page_ids, rows)``, then ``attention([qkv,] *head, rows, kv_scale, *tail, o, lse,
-    sm_scale, rope_scale, rope_theta)`` (docs/layout.md, "fp8 pages")."""
-
-    widen: Any  # widen_pages
-    page_ids: Any  # the pages widened: the forward's page_indices, or each of them once (shared pages)
-    rows: Any  # [len(page_ids) at least, 2, H_kv, P, D] view of the workspace
-    ids: Any  # the forward's page table over the rows (read through page_indptr): 0, 1, ... or row of each
-    attention: Any  # widened_prefill_causal[_qkv]
-    head: tuple  # attention arguments before the rows
-    tail: tuple  # attention arguments after kv_scale, before o
 
 
 @dataclass(slots=True)
@@ -89,7 +70,6 @@ class Forward:
     local: Any = None  # the attention kernel's per-layer-window variant (same arguments + layer_window)
     shared: tuple = ()  # (kernel, local kernel, head, tail): paged attention over a given layer's pages
     key: tuple = ()  # graph_key's value, computed on first use
-    widened: Widened | None = None  # a prefill over fp8 pages run on their codes widened to 16 bits
 
 
 @dataclass(frozen=True)
@@ -102,7 +82,6 @@ class ForwardInfo:
     slot: int  # device slot of the index buffer ring
     arrays: dict  # name -> NumPy copy of the uploaded index array (docs/layout.md)
     planned_on_device: bool = False  # its arrays written by plan_decode from the device page table
-    widened: bool = False  # a prefill over fp8 pages run on their codes widened to 16 bits (Forward.widened)
     decode_layout: str = ""  # the layout of the decode's bound one-launch kernel (DecodeSplit.layout; "_small_batch")
 
 
@@ -146,8 +125,6 @@ class Launcher:
         cfg, n, empty = config, config.prefill_chunk_size, tvm.runtime.empty
         self._scratch_views: dict = {}
         self._part_bufs: tuple | None = None
-        self._wide: tuple | None = None  # (16-bit rows, their ids 0, 1, ...) of widened fp8 pages
-        self._wide_refused = 0  # bytes of the smallest workspace the device refused (0: none)
         self._counter = None  # paged_decode_split_merge's arrival counts (all zero between launches)
         if not config.is_mla and "paged_decode_split_merge" in kernels and self.granule is not None:
             import numpy as np
@@ -225,63 +202,6 @@ class Launcher:
             lse_buf._create_view((split.num_splits, batch, cfg.num_qo_heads)),
         )
 
-    def _wide_rows(self, count: int) -> tuple | None:
-        """``(rows [count, 2, H_kv, P, D] of the activation dtype, ids [>= count] int32 = 0, 1, ...)``: where a
-        prefill's fp8 pages are widened, allocated on first use and grown (at most to one layer's
-        pool in 16-bit: 2 / num_layers of the fp8 pool's bytes); None when the device cannot hold them
-        (the forward keeps the schedule that reads fp8 pages): more than half its free memory, or a
-        size it refused before (a failed allocation is not retried at that size or above)."""
-        import numpy as np
-        import tvm
-
-        cfg = self.config
-        if self._wide is None or self._wide[0].shape[0] < count:
-            cap = min(max(count, 2 * self._wide[0].shape[0] if self._wide else 0), cfg.total_pages)  # (count <= it)
-            shape = (cap, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim)
-            nbytes = cap * cfg.num_kv_heads * cfg.page_size * cfg.head_dim * 2 * cfg.itemsize
-            if self._wide_refused and nbytes >= self._wide_refused:
-                return None
-            free = getattr(self.device, "available_global_memory", None)
-            if free is not None and nbytes > free // 2:  # (asked first: a failed cudaMalloc lingers as
-                self._wide_refused = nbytes  # the CUDA runtime's last error, which torch would report later)
-                return None
-            try:
-                self._wide = (
-                    tvm.runtime.empty(shape, cfg.dtype, self.device),
-                    tvm.runtime.tensor(np.arange(cap, dtype=np.int32), self.device),
-                )
-            except Exception:  # noqa: BLE001 (out of device memory: TVM raises its own error kinds)
-                self._wide_refused = nbytes
-                return None
-        rows, ids = self._wide
-        return rows._create_view((count, *rows.shape[1:])), ids
-
-    def _widened(self, fwd: Forward, pages) -> Widened | None:
-        """:attr:`Forward.widened` for a causal prefill over fp8 pages where the library has the 16-bit
-        pages' schedule and the forward brings enough tokens per sequence (``WIDEN_MIN_ROWS``); None
-        otherwise. ``pages``: the forward's page table (host int32, ``nnz`` entries). A page listed by
-        several sequences (forks, a shared prefix) is widened once: then the pages widened and the table
-        over the rows are uploaded for this forward."""
-        import numpy as np
-        import tvm
-
-        lib, nnz = self.kernels, len(pages)
-        name = "widened_prefill_causal_qkv" if fwd.direct else "widened_prefill_causal"
-        if name not in lib or nnz <= 0 or fwd.total < WIDEN_MIN_ROWS * len(fwd.lengths):
-            return None
-        uniq, table = np.unique(pages, return_inverse=True)
-        wide = self._wide_rows(len(uniq))  # (distinct pages: at most the pool's)
-        if wide is None:
-            return None
-        rows, ids = wide
-        d = fwd.dev
-        page_ids = d["page_indices"]
-        if len(uniq) < nnz:  # shared pages: each widened once, the table pointing at its row
-            page_ids = tvm.runtime.tensor(uniq.astype(np.int32), self.device)
-            ids = tvm.runtime.tensor(table.astype(np.int32).reshape(-1), self.device)
-        tail = (d["page_indptr"], ids, *_paged_tail(d)[2:])
-        return Widened(lib["widen_pages"], page_ids, rows, ids, lib[name], fwd.attn_head, tail)
-
     def paged(self, fwd: Forward, history: tuple | None = None) -> tuple:
         """``(kernel, local kernel, head, tail)``: paged attention of ``fwd``'s queries over one layer's
         pages, called as ``kernel(q, *head, pages, *tail, o, lse, sm_scale, rope_scale, rope_theta)``
@@ -330,12 +250,8 @@ class Launcher:
         tail += (*fwd.parts, fwd.counter)
         return lib[name], (d["q_pos"],), tail, (fwd.decode_split.kv_chunk,)
 
-    def bind(
-        self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT, pages=None
-    ) -> Forward:
-        """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale).
-        ``pages``: the step's page table on the host (``page_indices``' entries; a prefill over fp8 pages
-        may widen them), read during the call only."""
+    def bind(self, seq_ids, lengths, total, kernel, slides, dev, slot: int, decode_split=NO_SPLIT) -> Forward:
+        """The :class:`Forward` with each layer's kernel arguments bound (all but pages/qkv/o/sm_scale)."""
         cfg, d, lib = self.config, dev, self.kernels
         rope = (cfg.rope_scale, cfg.rope_theta)
         if cfg.is_mla:  # only the index arrays (and a split decode's buffers): MLA's calls launch themselves
@@ -409,8 +325,6 @@ class Launcher:
             else:  # append_qkv stores them first
                 fwd.kernels = (None, lib["append_qkv"], lib[kernel + "_qkv"])
                 fwd.append, fwd.attn_head = (d["slots"],), fwd.attn_head[1:]
-        if kernel == "paged_prefill_causal" and pages is not None:
-            fwd.widened = self._widened(fwd, pages)
         return fwd
 
 
@@ -422,8 +336,6 @@ def graph_key(fwd: Forward) -> tuple:
     correctly in the other, whose index arrays were uploaded to the same memory."""
     if not fwd.key:
         bufs = (*fwd.dev.values(), *fwd.scratch.values(), *fwd.parts)
-        if fwd.widened is not None:  # (its rows' shape follows the page count: a prefill's key changes with it)
-            bufs += (fwd.widened.rows, fwd.widened.ids)
         if fwd.counter is not None:
             bufs += (fwd.counter,)
         where = tuple((b.data_ptr(), tuple(b.shape)) for b in bufs)
@@ -447,9 +359,6 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
     if fwd.direct:  # no split: the kernels read q (and ragged k, v) from qkv; never a local layer
         if append is not None:  # (the ragged kernel stores K/V itself)
             append(*pages, qkv, *fwd.append)
-        if fwd.widened is not None:
-            _run_widened(fwd.widened, pages, (qkv,), o, lse, sm_scale, rope_scale, rope_theta)
-            return
         attention(qkv, *fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
         return
     if fwd.fused:  # split + rotate + append in one kernel
@@ -462,8 +371,6 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
             fwd.local(*fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta, window)
         else:
             fwd.local(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta, window)
-    elif fwd.widened is not None:  # a prefill over fp8 pages, on their codes widened to 16 bits
-        _run_widened(fwd.widened, pages, (), o, lse, sm_scale, rope_scale, rope_theta)
     elif fwd.counter is not None:  # split decode, merged by the last block of each group
         o_part, lse_part = fwd.parts
         attention(
@@ -498,14 +405,6 @@ def run_layer(fwd: Forward, pages: tuple, qkv, o, sm_scale: float, window: int =
         attention(*fwd.attn_head, *pages, *fwd.attn_tail, o, lse, sm_scale, rope_scale, rope_theta)
     else:
         attention(*fwd.attn_head, o, lse, sm_scale, rope_scale, rope_theta)
-
-
-def _run_widened(bound: Widened, pages: tuple, first: tuple, o, lse, sm_scale, rope_scale, rope_theta) -> None:
-    """Widen the forward's fp8 pages ``pages = (pages, kv_scale)`` into 16-bit rows, then run the 16-bit
-    pages' prefill over them with the scales (``first``: ``(qkv,)`` for the kernel reading q from qkv)."""
-    codes, kv_scale = pages
-    bound.widen(codes, bound.page_ids, bound.rows)
-    bound.attention(*first, *bound.head, bound.rows, kv_scale, *bound.tail, o, lse, sm_scale, rope_scale, rope_theta)
 
 
 def _paged_tail(d: dict) -> tuple:

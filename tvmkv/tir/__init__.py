@@ -22,8 +22,7 @@ Modules:
   ``rope_q``, ``split_rope_append`` = split_rope + append in one kernel; their RoPE variants are described
   by ``rope_scaling``'s :class:`RopeScaling`, plain Python), ``merge`` (``merge_state``,
   ``merge_splits``), ``page_ops`` (``copy_page``, ``compact_copy``, ``gather``, ``gather_pages``,
-  ``scatter_pages``; with fp8 pages ``requantize_pages`` and ``widen_pages``, whose rows the sm_90 prefill
-  ``widened_prefill_causal`` reads).
+  ``scatter_pages``; with fp8 pages ``requantize_pages``).
 * interop family (built lazily, not in :func:`kernel_set`): ``interop`` (copies to and from foreign
   layouts) and ``foreign_layouts`` (:data:`LAYOUTS`, :func:`foreign_shape`; no TVM import).
 
@@ -31,8 +30,6 @@ Importing this package does not import TVM's compiler: the exports below are pla
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from .decode_layout import small_batch_granule, split_granule
 from .foreign_layouts import LAYOUTS, foreign_shape
@@ -106,19 +103,6 @@ def kernel_set(
     }
     if spec.fp8_pages:  # re-encode stored codes under new scales (calibration, imports)
         kernels["requantize_pages"] = page_ops.make_requantize_pages(spec)
-        kernels["widen_pages"] = page_ops.make_widen_pages(spec)
-        # a prefill over fp8 pages where 16-bit pages take a faster schedule (sm_90: warpgroup MMA): the
-        # forward's pages are widened (exactly) into 16-bit rows and that schedule reads them with the
-        # scales (docs/layout.md, "fp8 pages"; tvmkv.runtime.launch picks it per forward)
-        wide = dataclasses.replace(spec, kv_dtype="")
-        if prefill.uses_warpgroup_mma(wide, mask="causal", sliding=sliding, inline_rope=inline, arch=arch):
-            kernels["widened_prefill_causal"] = prefill.make_paged_prefill(
-                wide, mask="causal", arch=arch, kv_scale=True
-            )
-            if rope_mode == "none":
-                kernels["widened_prefill_causal_qkv"] = prefill.make_paged_prefill(
-                    wide, mask="causal", arch=arch, fused_qkv=True, kv_scale=True
-                )
     if rope_scaling is None:  # split + rotate + append in one launch (forwards whose attention reads the pages)
         kernels["split_rope_append"] = rope.make_split_rope(spec, rotate=rope_mode == "normal", into_pages=True)
         for name, split in (("paged_decode_append", False), ("paged_decode_append_split", True)):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._kernel_common import func_attrs, heads_per_block, macro
-from .fp8 import kv_scale_buffer, page_code, page_value, widen_pair, with_kv_scale, zero
+from .fp8 import kv_scale_buffer, page_code, page_value, with_kv_scale, zero
 from .spec import KernelSpec
 
 
@@ -367,74 +367,3 @@ def make_requantize_pages(spec: KernelSpec):
         body()
 
     return with_kv_scale(requantize_pages, scale, 0)
-
-
-def make_widen_pages(spec: KernelSpec):
-    """``widen_pages(pages, page_ids, out)``: fp8 pages only (None otherwise). Write the codes of listed
-    pages, converted to the activation dtype, into the rows of a 16-bit page buffer:
-    ``out[i, kv, h, j, d] = dtype(dequantize(pages[page_ids[i], kv, h, j, d]))``, exact (every e4m3fn
-    and e5m2 value is an fp16 and a bf16 value; NaN stays NaN, e5m2's infinities infinite). The scales
-    stay out: a prefill over fp8 history runs the 16-bit pages' schedule over these rows with the
-    layer's ``kv_scale`` folded in (docs/layout.md, "fp8 pages").
-
-    Parameters
-    ----------
-    pages : [num_pages, 2, H_kv, P, D], spec.page_dtype
-        One layer's page pool (read only).
-    page_ids : [n], int32
-        Pages to read (n >= m; the first m are read; the caller checks the range).
-    out : [m, 2, H_kv, P, D], spec.dtype
-        **Written**: row ``i`` holds page ``page_ids[i]``'s codes as values.
-
-    CUDA mapping: each thread converts 8 codes (one 8-byte load, the pair conversions of sm_89 / sm_90,
-    one 16-byte store), 256 threads a block, ``blockIdx.x`` over the rows, ``blockIdx.y`` over each
-    row's 256-thread chunks.
-    """
-    if not spec.fp8_pages:
-        return None
-    H, D, P, dtype, page_dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype, spec.page_dtype
-    attrs = func_attrs(spec)
-    ROW = 2 * H * P * D  # elements of one page
-    CHUNKS = ROW // 8  # 8-element chunks of a page (D is a multiple of 16)
-    NT = 256
-    CB = (CHUNKS + NT - 1) // NT
-    widen = widen_pair(page_dtype, dtype)
-
-    @macro
-    def convert_element(i, page, kv, h, j, d):
-        out[i, kv, h, j, d] = T.Cast(dtype, page_value(spec, pages[page, kv, h, j, d]))
-
-    @macro
-    def gpu_body():
-        out_words = T.decl_buffer((T.Cast("int64", m) * (ROW // 2),), "uint32", data=out.data)
-        for i in T.thread_binding(T.max(m, 1), thread="blockIdx.x"):  # max: no empty grid when m == 0
-            for cb in T.thread_binding(CB, thread="blockIdx.y"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    c8 = T.alloc_buffer((8,), page_dtype, scope="local")
-                    c8_pairs = T.decl_buffer((4,), "uint16", data=c8.data, scope="local")
-                    h4 = T.alloc_buffer((4,), "uint32", scope="local")
-                    f2 = T.alloc_buffer((2,), "float32", scope="local")
-                    c = T.meta_var(cb * NT + tx)  # the chunk: elements 8c .. 8c + 7 of the row
-                    kvh = T.meta_var(c * 8 // (P * D))  # K or V, and head, of the chunk
-                    if i < m and c < CHUNKS:
-                        for e in T.vectorized(8):
-                            c8[e] = pages[page_ids[i], kvh // H, kvh % H, c * 8 // D % P, c * 8 % D + e]
-                        for u in T.unroll(4):
-                            widen(h4[u], c8_pairs[u], f2)
-                        for u in T.vectorized(4):
-                            out_words[T.Cast("int64", i) * (ROW // 2) + c * 4 + u] = h4[u]
-
-    body = gpu_body if not spec.is_cpu else listed_page_body(spec, convert_element, T.serial)
-
-    @T.prim_func
-    def widen_pages(var_pages: T.handle, var_ids: T.handle, var_out: T.handle):
-        T.func_attr(attrs)
-        num_pages = T.int32()
-        n = T.int32()
-        m = T.int32()
-        pages = T.match_buffer(var_pages, (num_pages, 2, H, P, D), page_dtype)
-        page_ids = T.match_buffer(var_ids, (n,), "int32")
-        out = T.match_buffer(var_out, (m, 2, H, P, D), dtype)
-        body()
-
-    return widen_pages

@@ -12,8 +12,8 @@ def uses_warpgroup_mma(
     spec: KernelSpec, *, mask: str, sliding: bool = False, inline_rope: bool = False, arch: str | None = None
 ) -> bool:
     """Whether :func:`make_paged_prefill` builds the warpgroup-MMA schedule
-    (:mod:`tvmkv.tir.prefill_hopper`) for these options: cuda, sm_90, 16-bit pages and its shapes."""
-    if spec.target_kind != "cuda" or spec.fp8_pages:
+    (:mod:`tvmkv.tir.prefill_hopper`) for these options: cuda, sm_90 and its shapes (16-bit or fp8 pages)."""
+    if spec.target_kind != "cuda":
         return False
     from .prefill_hopper import hopper_layout
 
@@ -29,7 +29,6 @@ def make_paged_prefill(
     local: bool = False,
     arch: str | None = None,
     fused_qkv: bool = False,
-    kv_scale: bool = False,
 ):
     """Attention of ragged queries over paged K/V (history + this forward's tokens, already appended).
 
@@ -79,23 +78,9 @@ def make_paged_prefill(
     fused_qkv : bool
         ``paged_prefill_<mask>_qkv``: the first parameter is the fused ``qkv [n, H_qo + 2 H_kv, D]``
         (docs/layout.md, "Fused qkv") and q is read from its query heads in place. Not with ``local``.
-    kv_scale : bool
-        16-bit pages holding fp8 codes widened exactly (``tvmkv.tir.page_ops.make_widen_pages``): the
-        kernel takes their layer's ``kv_scale [2, H_kv] float32`` right after ``pages`` and folds it in
-        as the fp8 schedules do (docs/layout.md, "fp8 pages"). Only where :func:`uses_warpgroup_mma`.
     """
     if mask not in PREFILL_MASKS:
         raise ValueError(f"mask={mask!r} is not one of {PREFILL_MASKS}")
-    if kv_scale:
-        if local or not uses_warpgroup_mma(spec, mask=mask, sliding=sliding, inline_rope=inline_rope, arch=arch):
-            raise ValueError(
-                "kv_scale=True (widened fp8 codes) is built on the warpgroup-MMA schedule only (cuda sm_90, 16-bit "
-                "pages, head_dim 64 / 128, mask none / causal, no sliding window or inline RoPE, not local); "
-                "read fp8 pages with a spec of kv_dtype fp8 instead"
-            )
-        from .prefill_hopper import make_prefill_hopper
-
-        return make_prefill_hopper(spec, source="paged", mask=mask, arch=arch, fused_qkv=fused_qkv, kv_scale=True)
     if local:
         if fused_qkv:
             raise ValueError("local=True has no fused-qkv variant; pass fused_qkv=False")
@@ -106,8 +91,7 @@ def make_paged_prefill(
         from .prefill_cuda import make_prefill_cuda, prefill_layout
         from .prefill_hopper import make_prefill_hopper
 
-        # (fp8 pages: the mma.sync schedule converts them; tvmkv.runtime.launch may instead widen a
-        # forward's pages for the warpgroup-MMA one, kernel_set's "widened_prefill_causal")
+        # (fp8 pages: both schedules convert the codes on their way into shared memory)
         if uses_warpgroup_mma(spec, mask=mask, sliding=sliding, inline_rope=inline_rope, arch=arch):
             return make_prefill_hopper(spec, source="paged", mask=mask, arch=arch, fused_qkv=fused_qkv)
         if prefill_layout(spec, mask=mask, sliding=sliding, inline_rope=inline_rope) is not None:

@@ -26,10 +26,10 @@ Work decomposition
   computing thread's ``P V`` of it), and one tile later waits for its own copies of tile ``j``, makes
   them visible to the tensor cores' async proxy (``fence.proxy.async``) and arrives on the slot's
   "full" mbarrier (128 arrivals). Its threads give registers back (``setmaxnreg.dec`` to
-  ``PRODUCER_REGS`` = 40) and the computing ones take them (``setmaxnreg.inc`` to ``CONSUMER_REGS`` =
-  232), so 384 threads fit the register file. Issuing copies stalls a warp while the memory pipeline
-  is full; on a warpgroup of its own that no longer holds up the products (H200, fp16 32/8 heads, D
-  128: causal 1x4096 304 -> 282 µs, 4x1024 over 2048 of history 407 -> 367 µs). Without it every
+  ``PRODUCER_REGS`` = 40) and the computing ones take them (``setmaxnreg.inc`` to 232), so 384 threads
+  fit the register file. Issuing copies stalls a warp while the memory pipeline is full; on a
+  warpgroup of its own that no longer holds up the products (H200, fp16 32/8 heads, D 128: causal
+  1x4096 304 -> 282 µs, 4x1024 over 2048 of history 407 -> 367 µs). Without it every
   computing thread issues copies: it waits for its own, fences, arrives on "full" (256 arrivals).
 * Tile loop (:func:`make_prefill_hopper` ``pingpong``, the default; FlashAttention-3's two
   overlaps): step ``j`` issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` back to back, waits for
@@ -49,6 +49,15 @@ Work decomposition
   4 steps). ``V`` (MN-major): 8-key groups 1024 bytes apart, the two 64-dim column blocks ``BC x 128``
   bytes apart, a k16 step moves 16 rows.
 
+fp8 pages (paged): the copying warpgroup loads a tile's codes into registers (16-byte loads, a row's 16
+codes each), converts them pair by pair to the 16-bit dtype (``cvt`` of two codes, exact), stores two
+16-byte chunks into the slot (the two in an order that keeps a quarter warp's stores on distinct banks),
+then fences and arrives on "full": the products run on 16-bit operands as over 16-bit pages, and K/V
+cross the memory system at one byte an element. It keeps ``CODES_PRODUCER_REGS`` = 80 registers (the
+computing threads 208). An earlier variant that copied the codes into shared memory and converted them
+there loaded the shared-memory pipe the products read from, and was slower than converting all the
+forward's pages in a separate pass first (bench/RESULTS.md, "fp8 pages").
+
 Fast path (:func:`hopper_layout`): target cuda built for sm_90, fp16 or bf16, head_dim 64 or 128,
 mask "none" or "causal", no sliding window, no inline RoPE, ``group`` dividing 128. On an H200 (fp16,
 H_qo 32, H_kv 8, D 128, page 16; bench/RESULTS.md) causal 1x4096 runs at 487 TFLOP/s (mma.sync:
@@ -59,12 +68,11 @@ generic one.
 
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro
 from .attention import paged_prefill_func, ragged_prefill_func
-from .fp8 import FLOAT2_TO_PAIR, code_pair_at, kv_scale_buffer, times_key_scale
+from .fp8 import FLOAT2_TO_PAIR, code_pair_at, kv_scale_buffer, times_key_scale, widen_pair
 from .prefill_cuda import BLOCK, CP16, CVT, block_macros, kv_rc, load_rc
 from .spec import KernelSpec
 
@@ -77,8 +85,10 @@ DEFAULT_STAGES = 3  # K/V tiles in the ring of shared-memory slots
 DEFAULT_OVERLAP = False  # one warpgroup's softmax of tile j under its own P V of tile j - 1 (needs 3+ slots)
 DEFAULT_PINGPONG = True  # the overlapped loop with the two warpgroups out of step (needs 3+ slots)
 DEFAULT_PRODUCER = True  # ping-pong fed by a third warpgroup that issues the K/V copies
-PRODUCER_REGS = 40  # registers a thread of the copying warpgroup keeps (setmaxnreg); the others get
-CONSUMER_REGS = 232  # ... these: 2 x 128 x 232 + 128 x 40 <= 64K
+PRODUCER_REGS = 40  # registers a thread of the copying warpgroup keeps (setmaxnreg); the others get 232
+# fp8 pages: the copying warpgroup holds a tile's codes in registers while it converts them (the computing
+# threads then get 208; at 72 / 216 ptxas spills)
+CODES_PRODUCER_REGS = 80
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt into
 ALIGN = 1024  # bytes: the 128-byte swizzle repeats every 8 rows of 128 bytes
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
@@ -181,7 +191,7 @@ def make_prefill_hopper(
     warpgroups: int = DEFAULT_WARPGROUPS,
     producer: bool = DEFAULT_PRODUCER,
     fused_qkv: bool = False,
-    kv_scale: bool = False,
+    producer_regs: int | None = None,
 ):
     """The wgmma PrimFunc for ``source`` "paged" or "ragged" (the signatures of
     :func:`tvmkv.tir.attention.paged_prefill_func` / ``ragged_prefill_func``). The caller checks
@@ -190,11 +200,11 @@ def make_prefill_hopper(
     the ragged kernel also stores k and v at their slots, from the copying warpgroup once it has issued
     its copies: no separate append launch; fp8 pages: their codes, once its copies have landed, from
     shared memory, where the mask is causal and ``bc`` a multiple of the block's tokens, else the append
-    runs first). ``kv_scale`` (paged only): the pages hold fp8 codes widened to the 16-bit dtype
-    (``tvmkv.tir.page_ops.make_widen_pages``) and the kernel takes their layer's ``kv_scale [2, H_kv]``
-    after ``pages``, folded in as the fp8 schedules fold it (docs/layout.md, "fp8 pages")."""
+    runs first). Paged over fp8 pages: the copying warpgroup converts each tile's codes to the 16-bit
+    dtype on their way into shared memory (``producer`` only), and the kernel takes the layer's
+    ``kv_scale [2, H_kv]`` after ``pages`` (docs/layout.md, "fp8 pages"). ``producer_regs``: registers
+    the copying warpgroup keeps (default ``PRODUCER_REGS``, ``CODES_PRODUCER_REGS`` over fp8 pages)."""
     assert source in ("paged", "ragged")
-    assert not kv_scale or (source == "paged" and not spec.fp8_pages)
     lay = hopper_layout(
         spec,
         mask=mask,
@@ -213,9 +223,14 @@ def make_prefill_hopper(
     LOGP = P.bit_length() - 1
     PMASK = P - 1
     paged = source == "paged"
-    if paged and spec.fp8_pages:
+    # fp8 pages (paged): the copying warpgroup loads a tile's codes into registers (16 a load), widens
+    # them to the 16-bit dtype (exact) and stores them to the ring slot; the kernel reads the layer's
+    # kv_scale and folds it in (the K scale into the score factor, the V scale into the output)
+    codes = paged and spec.fp8_pages
+    if codes and not producer:
         raise ValueError(
-            "this schedule reads 16-bit pages; paged prefill over fp8 pages takes the mma.sync one (prefill_cuda)"
+            "paged prefill over fp8 pages on this schedule needs producer=True (its copying warpgroup "
+            "converts the codes); pass producer=True"
         )
     wg_s = wgmma_op(BC, dtype)
     wg_o = wgmma_op(D, dtype)
@@ -226,6 +241,17 @@ def make_prefill_hopper(
     KB = BC // 16  # k16 steps of P V
     NTH = NT + 128 if producer else NT  # threads of a block (the copying warpgroup last)
     NW = NTH // WARP
+    PREGS = producer_regs or (CODES_PRODUCER_REGS if codes else PRODUCER_REGS)
+    # setmaxnreg moves registers within the block's allocation (the launch bound's count per thread, 168
+    # for 384 threads), so the computing threads may take (3 x 168 - PREGS) / 2 each (asking for more
+    # would wait forever for registers the block does not have)
+    ALLOC = (65536 // NTH) // 8 * 8  # (the copying warpgroup comes with ping-pong, hence 2 computing ones)
+    CREGS = (ALLOC * (NTH // 128) - PREGS) // 2 // 8 * 8
+    if producer and not (PREGS % 8 == 0 and 24 <= PREGS < ALLOC):
+        raise ValueError(
+            f"producer_regs={producer_regs} must be a multiple of 8 from 24 up to {ALLOC - 8} (setmaxnreg "
+            f"moves registers within the block's {ALLOC} a thread); pass None for the default"
+        )
     KVP = BC * CPR // 128  # chunks of a K or V tile each thread of the copying warpgroup issues
     PREFETCH = ST - 2 if overlap or pingpong else ST - 1  # tiles in flight ahead of the one computed
     # ragged_prefill_causal_qkv stores the new K/V itself: the copying warpgroup, once its copies are
@@ -234,10 +260,11 @@ def make_prefill_hopper(
     # memory, which holds the block's tokens where the mask is causal (the block's keys end with its
     # tokens) and BC is a multiple of RT (no token past a tile boundary); else the append runs first
     stores_kv = fused_qkv and not paged and producer and (not spec.fp8_pages or (mask == "causal" and BC % RT == 0))
-    scale = kv_scale_buffer(spec) if fused_qkv else None  # fp8 pages: the stores quantize with it
+    # fp8 pages: the layer's scales, which the ragged kernel's stores quantize with and the paged one reads
+    scale = kv_scale_buffer(spec) if fused_qkv or codes else None
+    read_scale = scale if codes else None
     to_pair = FLOAT2_TO_PAIR.get(spec.page_dtype)
     SKV = (RT * CPR + 127) // 128  # 16-byte chunks of a K (and a V) row set per copying thread
-    read_scale = tirx.decl_buffer((2, H_kv), "float32", name="kv_scale") if kv_scale else None
     blk = block_macros(spec, source=source, mask=mask, RT=RT, NW=NW, BC=BC, scale=read_scale)
     Q_OFF = 0
 
@@ -293,6 +320,46 @@ def make_prefill_hopper(
                     v.ptr_to([sv[BLOCK.kbase] + j, hk, kc * 8]),
                     16,
                 )
+
+    CPR2 = CPR // 2  # 16-code pieces of a row (two 16-byte chunks once widened)
+    KVC = BC * CPR2 // 128  # pieces of a K or V tile each copying thread loads
+    widen = widen_pair(spec.page_dtype, dtype) if codes else None
+
+    def code_rc(u, i):
+        # the i-th piece copying thread u loads of a tile: (row, piece); rows 128 // CPR2 apart
+        return u // CPR2 + i * (128 // CPR2), u % CPR2
+
+    @macro
+    def widen_tile(kt, st, u):
+        # fp8 pages: tile kt's K, then V, codes of the rows thread u copies, loaded (16 a load) into
+        # registers, widened pair by pair and stored as two 16-byte chunks into ring slot st
+        page_words = T.decl_buffer((1,), "uint32", data=pages.data)  # the pool as 4-code words, flat
+        sm_words = T.decl_buffer((WORDS,), "uint32", data=sm_raw.data, scope="shared.dyn")
+        for i in T.unroll(KVC):
+            kr, pc = T.meta_var(code_rc(u, i))
+            pidc[i] = page_indices[sv[BLOCK.kbase] + (T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1) >> LOGP)]
+        for kv in T.unroll(2):
+            for i in T.unroll(KVC):
+                kr, pc = T.meta_var(code_rc(u, i))
+                j = T.meta_var(T.min(kt * BC + kr, sv[BLOCK.kv_len] - 1))
+                at = T.meta_var(
+                    (((T.Cast("int64", pidc[i]) * 2 + kv) * H_kv + hk) * P + (j & PMASK)) * (D // 4) + pc * 4
+                )
+                for e in T.vectorized(4):
+                    cw[i * 4 + e] = page_words[at + e]
+            for i in T.unroll(KVC):
+                kr, pc = T.meta_var(code_rc(u, i))
+                for h in T.unroll(2):
+                    # the two chunks in an order that keeps a quarter warp's stores on distinct banks
+                    c = T.meta_var(2 * pc + (h ^ ((pc >> 2) & 1)))
+                    for e in T.unroll(4):  # code pair e of the chunk: half e % 2 of its word e // 2
+                        word = T.meta_var(  # (a select: a register array indexed by a thread's value spills)
+                            T.if_then_else(c > 2 * pc, cw[i * 4 + 2 + e // 2], cw[i * 4 + e // 2])
+                        )
+                        cpair[0] = T.Cast("uint16", word >> T.uint32(16 * (e % 2)))
+                        widen(hw[e], cpair[0], f2)
+                    for e in T.vectorized(4):
+                        sm_words[(pad[0] + k_off(st) + kv * (BC * D) + sw_off(BC, kr, c)) // 2 + e] = hw[e]
 
     @macro
     def issue_s(st):
@@ -540,6 +607,11 @@ def make_prefill_hopper(
         db = T.alloc_buffer((1,), "uint64", scope="local")
         rpos = T.alloc_buffer((2,), "int32", scope="local")  # causal bound of rows g, g + 8
         pid = T.alloc_buffer((KVP if producer else KVI,), "int32", scope="local")
+        pidc = T.alloc_buffer((KVC,), "int32", scope="local")  # fp8 pages: a tile's codes and their widening
+        cw = T.alloc_buffer((KVC * 4,), "uint32", scope="local")
+        cpair = T.alloc_buffer((1,), "uint16", scope="local")
+        hw = T.alloc_buffer((4,), "uint32", scope="local")
+        f2 = T.alloc_buffer((2,), "float32", scope="local")
         pf = T.alloc_buffer((KB, 4), "uint32", scope="local")
         s = T.alloc_buffer((NI, 4), "float32", scope="local")
         o_acc = T.alloc_buffer((DN, 4), "float32", scope="local")
@@ -585,25 +657,33 @@ def make_prefill_hopper(
                     # ---- the copying warpgroup: tile kt into slot kt % ST once the slot's previous
                     # tile is released; a thread's copies of tile kt are waited for (and made visible
                     # to wgmma) one tile later, then it arrives on the slot's "full" barrier
-                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
-                    for kt in T.serial(sv[BLOCK.nkt]):
-                        if kt >= ST:
-                            T.cuda.mbarrier_wait(mbar.ptr_to([ST + kt % ST]), (kt // ST - 1) % 2)
-                        fetch_pid(kt, tx - NT, 128, KVP)
-                        issue_kv(kt, kt % ST, tx - NT, 128, KVP)
-                        T.ptx["cp.async.commit_group"]()
-                        if kt > 0:
-                            T.ptx["cp.async.wait_group"](1)
+                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PREGS)
+                    if codes:  # (resolved while parsing) each tile widened, then made visible, in turn
+                        for kt in T.serial(sv[BLOCK.nkt]):
+                            if kt >= ST:
+                                T.cuda.mbarrier_wait(mbar.ptr_to([ST + kt % ST]), (kt // ST - 1) % 2)
+                            widen_tile(kt, kt % ST, tx - NT)
                             T.ptx["fence.proxy.async.shared::cta"]()
-                            T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([(kt - 1) % ST]))
-                    if sv[BLOCK.nkt] > 0:
-                        T.ptx["cp.async.wait_group"](0)
-                        T.ptx["fence.proxy.async.shared::cta"]()
-                        T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([(sv[BLOCK.nkt] - 1) % ST]))
+                            T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([kt % ST]))
+                    else:
+                        for kt in T.serial(sv[BLOCK.nkt]):
+                            if kt >= ST:
+                                T.cuda.mbarrier_wait(mbar.ptr_to([ST + kt % ST]), (kt // ST - 1) % 2)
+                            fetch_pid(kt, tx - NT, 128, KVP)
+                            issue_kv(kt, kt % ST, tx - NT, 128, KVP)
+                            T.ptx["cp.async.commit_group"]()
+                            if kt > 0:
+                                T.ptx["cp.async.wait_group"](1)
+                                T.ptx["fence.proxy.async.shared::cta"]()
+                                T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([(kt - 1) % ST]))
+                        if sv[BLOCK.nkt] > 0:
+                            T.ptx["cp.async.wait_group"](0)
+                            T.ptx["fence.proxy.async.shared::cta"]()
+                            T.ptx["mbarrier.arrive.shared::cta.b64"](mbar.ptr_to([(sv[BLOCK.nkt] - 1) % ST]))
                     if stores_kv:  # (resolved while parsing) while the computing warpgroups finish
                         store_kv()
                 else:
-                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CREGS)
                     load_q()
                     T.ptx["cp.async.wait_group"](0)
                     T.ptx["fence.proxy.async.shared::cta"]()
