@@ -240,22 +240,9 @@ def test_fp8_attention_reads_dequantized(target, fmt, dtype, rng):
     tab = Table(rng, kv_lens, fmt, scale)
     n = sum(new)
     q = rng.standard_normal((n, H_QO, D)).astype(act)
-    q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new)]).astype(np.int32)
-    trees = [np.zeros((1, 2), np.int32), np.zeros(1, np.int32), np.zeros((1, 3), np.int32), np.zeros(1, np.int32)]
+    _check_paged_prefills(target, lib, tab, scale, q, hist, new)
     dev_pages, dev_scale = to_dev(tab.pages, target), to_dev(scale, target)
     tables = [to_dev(a, target) for a in tab.tables()]
-    for mask, fused in (("causal", False), ("none", False), ("causal", True)):
-        o_ref, lse_ref = ref.paged_prefill(
-            q, q_indptr, q_pos, tab.values, *tab.tables(), *trees, sm_scale, *ROPE, mask=mask
-        )
-        qin = np.concatenate([q, np.full((n, 2 * H_KV, D), np.nan, act)], axis=1) if fused else q
-        o = to_dev(np.zeros_like(q), target)
-        lse = to_dev(np.zeros((n, H_QO), np.float32), target)
-        head = [to_dev(a, target) for a in (qin, q_indptr, q_pos)]
-        kernel = lib[f"paged_prefill_{mask}" + ("_qkv" if fused else "")]
-        kernel(*head, dev_pages, dev_scale, *tables, *[to_dev(a, target) for a in trees], o, lse, sm_scale, *ROPE)
-        _check(o, lse, o_ref, lse_ref)
     # decode: one query per sequence at its last position
     B = len(kv_lens)
     qd = rng.standard_normal((B, H_QO, D)).astype(act)
@@ -295,7 +282,6 @@ def test_fp8_prefill_over_long_history(target, fmt, dtype, hq, d, rng):
     lib = load_kernels(spec, rope_mode="none")
     act = numpy_dtype(dtype)
     scale = (rng.uniform(0.5, 3.0, (2, h_kv)) / 448.0 * 4).astype(np.float32)
-    sm_scale = 1.0 / math.sqrt(d)
     hist, new = [700, 0, 389, 130], [64, 129, 1, 33]
     kv_lens = [h + m for h, m in zip(hist, new)]
     num_pages = sum(-(-n // P) for n in kv_lens) + 3  # (Table's pool)
@@ -308,45 +294,43 @@ def test_fp8_prefill_over_long_history(target, fmt, dtype, hq, d, rng):
     tab = Table(rng, kv_lens, fmt, scale, values, h_kv=h_kv, d=d)
     n = sum(new)
     q = rng.standard_normal((n, hq, d)).astype(act)
+    _check_paged_prefills(target, lib, tab, scale, q, hist, new)
+    step = 2 * float(fp8_ref.subnormal_half_step(fmt))  # the smallest subnormal
+    sub_scale = np.stack([np.ones(h_kv), np.full(h_kv, 1 / step)]).astype(np.float32)
+    sub = np.zeros((num_pages, 2, h_kv, P, d), np.float32)
+    sub[:, 1] = rng.integers(1, 4, sub[:, 1].shape) * np.array([1, -1] * (h_kv // 2))[None, :, None, None]
+    tab = Table(rng, kv_lens, fmt, sub_scale, sub, h_kv=h_kv, d=d)
+    (o_ref,) = _check_paged_prefills(target, lib, tab, sub_scale, q, hist, new, variants=(("causal", False),))
+    assert np.abs(o_ref).min() >= 1
+
+
+def _check_paged_prefills(target, lib, tab, scale, q, hist, new, variants=None):
+    """Run ``lib``'s paged prefills over ``tab``'s fp8 pages (``variants``: (mask, fused qkv) pairs; default
+    causal, none, causal fused) for queries ``q`` of sequences with ``hist`` tokens of history and
+    ``new`` new tokens each, and check each against the fp64 reference over the dequantized values.
+    Returns the reference outputs."""
+    n, hq, d = q.shape
+    h_kv = tab.pages.shape[2]
+    sm_scale = 1.0 / math.sqrt(d)
     q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     q_pos = np.concatenate([np.arange(h, h + m) for h, m in zip(hist, new)]).astype(np.int32)
     trees = [np.zeros((1, 2), np.int32), np.zeros(1, np.int32), np.zeros((1, 3), np.int32), np.zeros(1, np.int32)]
     dev_pages, dev_scale = to_dev(tab.pages, target), to_dev(scale, target)
     tables = [to_dev(a, target) for a in tab.tables()]
-    for mask, fused in (("causal", False), ("none", False), ("causal", True)):
+    refs = []
+    for mask, fused in variants or (("causal", False), ("none", False), ("causal", True)):
         o_ref, lse_ref = ref.paged_prefill(
             q, q_indptr, q_pos, tab.values, *tab.tables(), *trees, sm_scale, *ROPE, mask=mask
         )
-        qin = np.concatenate([q, np.full((n, 2 * h_kv, d), np.nan, act)], axis=1) if fused else q
+        qin = np.concatenate([q, np.full((n, 2 * h_kv, d), np.nan, q.dtype)], axis=1) if fused else q
         o = to_dev(np.zeros_like(q), target)
         lse = to_dev(np.zeros((n, hq), np.float32), target)
         head = [to_dev(a, target) for a in (qin, q_indptr, q_pos)]
         kernel = lib[f"paged_prefill_{mask}" + ("_qkv" if fused else "")]
         kernel(*head, dev_pages, dev_scale, *tables, *[to_dev(a, target) for a in trees], o, lse, sm_scale, *ROPE)
         _check(o, lse, o_ref, lse_ref)
-    step = 2 * float(fp8_ref.subnormal_half_step(fmt))  # the smallest subnormal
-    sub_scale = np.stack([np.ones(h_kv), np.full(h_kv, 1 / step)]).astype(np.float32)
-    sub = np.zeros((num_pages, 2, h_kv, P, d), np.float32)
-    sub[:, 1] = rng.integers(1, 4, sub[:, 1].shape) * np.array([1, -1] * (h_kv // 2))[None, :, None, None]
-    tab = Table(rng, kv_lens, fmt, sub_scale, sub, h_kv=h_kv, d=d)
-    o_ref, lse_ref = ref.paged_prefill(q, q_indptr, q_pos, tab.values, *tab.tables(), *trees, sm_scale, *ROPE)
-    assert np.abs(o_ref).min() >= 1
-    o = to_dev(np.zeros_like(q), target)
-    lse = to_dev(np.zeros((n, hq), np.float32), target)
-    head = [to_dev(a, target) for a in (q, q_indptr, q_pos)]
-    tables = [to_dev(a, target) for a in tab.tables()]
-    lib["paged_prefill_causal"](
-        *head,
-        to_dev(tab.pages, target),
-        to_dev(sub_scale, target),
-        *tables,
-        *[to_dev(a, target) for a in trees],
-        o,
-        lse,
-        sm_scale,
-        *ROPE,
-    )
-    _check(o, lse, o_ref, lse_ref)
+        refs.append(o_ref)
+    return refs
 
 
 def _decode_vs_format_bound(target, lib, fmt, values, scale, rng):
