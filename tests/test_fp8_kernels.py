@@ -614,6 +614,55 @@ def test_fp8_tensor_core_decode(target, shape, rng):
             assert not counter.numpy().any()
 
 
+def test_fp8_tensor_core_decode_when_the_max_moves(target):
+    """The tensor-core decode rescales a warp's running state only in tiles where some query head's max
+    rises: keys whose scores climb along the sequence (a new max in nearly every tile), fall (the max in
+    the first tile, every later tile skips the rescale), and climb in one query head only while the
+    others fall, unsplit and split + merge in one launch, against the fp64 reference."""
+    if target != "cuda":
+        pytest.skip("the tensor-core decode is a cuda schedule")
+    from tvmkv.tir.decode_layout import split_granule
+
+    h_qo, h_kv, d, p, fmt = TC_SHAPES[0]
+    spec = KernelSpec(h_qo, h_kv, d, p, "float16", target, fmt)
+    lib = load_kernels(spec, rope_mode="none")
+    kv_lens = [1000, 1000, 700]
+    B, group = len(kv_lens), h_qo // h_kv
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((B, h_qo, d)).astype(np.float16)
+    layout = Table(np.random.default_rng(5), kv_lens, fmt, np.ones((2, h_kv), np.float32), h_kv=h_kv, d=d, p=p)
+    values = rng.standard_normal((len(layout.pages), 2, h_kv, p, d)).astype(np.float32) * 0.3
+    unit = q.astype(np.float32) / np.linalg.norm(q.astype(np.float32), axis=-1, keepdims=True)
+    for b, n in enumerate(kv_lens):
+        ids = layout.page_indices[layout.page_indptr[b] : layout.page_indptr[b + 1]]
+        for j in range(n):
+            up, down = (j / n, 0.0) if b == 0 else (0.0, 1 - j / n) if b == 1 else (j / n, 1 - j / n)
+            for hk in range(h_kv):  # head 0 of the group climbs or falls (sequence 2: head 1 climbs)
+                h0 = hk * group
+                toward = unit[b, h0 + 1] if b == 2 else unit[b, h0]
+                values[ids[j // p], 0, hk, j % p] += 6.0 * (up * toward + down * unit[b, h0])
+    scale = np.full((2, h_kv), 8.0 / 448.0, np.float32)
+    tab = Table(np.random.default_rng(5), kv_lens, fmt, scale, values, h_kv=h_kv, d=d, p=p)
+    assert np.array_equal(tab.page_indices, layout.page_indices)
+    q_pos = np.array(kv_lens, np.int32) - 1
+    sm_scale = 1.0 / math.sqrt(d)
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, tab.values, *tab.tables(), sm_scale, *ROPE)
+    args = [to_dev(a, target) for a in (q, q_pos)] + [to_dev(tab.pages, target), to_dev(scale, target)]
+    args += [to_dev(a, target) for a in tab.tables()]
+    o = to_dev(np.ones_like(q), target)
+    lse = to_dev(np.zeros((B, h_qo), np.float32), target)
+    lib["paged_decode"](*args, o, lse, sm_scale, *ROPE)
+    _check(o, lse, o_ref, lse_ref)
+    kv_chunk = 256
+    S = -(-max(kv_lens) // kv_chunk)
+    o_part = to_dev(np.full((S, B, h_qo, d), np.nan, np.float32), target)
+    lse_part = to_dev(np.full((S, B, h_qo), np.nan, np.float32), target)
+    counter = to_dev(np.zeros(B * split_granule(spec)[0], np.int32), target)
+    o = to_dev(np.ones_like(q), target)
+    lib["paged_decode_split_merge"](*args, o_part, lse_part, counter, o, lse, sm_scale, *ROPE, kv_chunk)
+    _check(o, lse, o_ref, lse_ref)
+
+
 @pytest.mark.parametrize(
     "shape, mode", [(TC_SHAPES[0], "none"), (TC_SHAPES[0], "normal"), (TC_SHAPES[1], "none")], ids=str
 )

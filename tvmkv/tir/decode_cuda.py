@@ -49,9 +49,17 @@ Design (one query token per sequence, so the kernel is a pure stream over the se
   dim are paired across two keys with ``__byte_perm`` and converted into the B fragment of
   ``O += P V`` (n-tile ``mm`` of column ``n`` is dim ``tc_vdim(n, mm)``). ``P`` is the scores'
   accumulator registers packed to fp16 (the C layout of one mma is the A layout of the next); the
-  online softmax runs per row over the 4 lanes that hold it (two shuffles). The K scale joins the
-  fp32 factor applied to the scores, the V scale the output, as on the CUDA-core path; each warp's
-  ``(m, l, O)`` goes through the same shared-memory merge, split and in-kernel merge of chunks.
+  online softmax runs per row over the 4 lanes that hold it, against a reference max that moves only
+  when a score passes it by more than ``LAZY_RESCALE`` (then two shuffles and a rescale; most tiles
+  skip both). The K scale joins the fp32 factor applied to the scores, the V scale the output, as on
+  the CUDA-core path; each warp's ``(m, l, O)`` goes through the same shared-memory merge, split and
+  in-kernel merge of chunks. A warp is one long dependency chain (one warp per scheduler at the
+  batches where this path is not bandwidth-bound), so the code avoids work on it: every mma keeps all
+  four registers of its fragments (rows 8..15 of A are zero; rows 8..15 of C / D accumulate those
+  zeros in place, never read), so no accumulator is moved or re-zeroed; a k step's conversions come
+  before its mmas; the q fragments are the fp16 pairs as loaded; and in the one-launch decode the
+  first tiles' copies go out before the block stores the new token (whose values and slot were
+  loaded at the start), unless its key is among them.
 * ``sliding``: only valid slots are visited (the sink ``[0, sink_end)`` then ``[window_start,
   kv_len)``), so a window costs only its size. ``inline_rope``: q is rotated once at load; a key's
   rotate-half partner element lives in lane ``lt ^ TPK/2`` of the same sub-warp (one shuffle).
@@ -91,6 +99,9 @@ OPT_IN_BYTES = 48 * 1024  # dynamic shared memory from which TVM's runtime opts 
 CP16 = "cp.async.cg.shared.global"
 CP8 = "cp.async.ca.shared.global"  # 8-byte copies (cg takes 16 only): fp8 pages' 8-code rows
 MERGE_UNROLL = 4  # o_part loads of the in-kernel merge issued together
+# the tensor-core path's reference max moves only for scores above it by more than this (base 2): its
+# probabilities stay below 2^8, exact in fp16 as smaller ones, and most tiles skip the max reduction
+LAZY_RESCALE = 8.0
 
 # Named slots (see _kernel_common.slots). DSEQ, the block's sequence: its first page entry
 # (page_base), the end of the visited keys it scans, the sink keys visited first (n1), the first
@@ -108,7 +119,7 @@ FINAL = slots("m", "base", "l_sum", "w")
 # the thread's coordinates and local buffers, passed to the helper macros
 DecodeThread = namedtuple("DecodeThread", "hk w sub lt tx seq pid kb vb stg Qr O m l_sum S st kr fr acc kb2 vb2 vr h2")
 # ... on the tensor-core path: lane (g, c) of warp w
-TcThread = namedtuple("TcThread", "hk w lane g c tx seq pid stg kc kc16 vc pr pr16 qa kf vf pa sc junk Oc tm st")
+TcThread = namedtuple("TcThread", "hk w lane g c tx seq pid stg kc kc16 vc pr pr16 qa kf vf pa sc Oc tm st")
 
 
 def make_paged_decode_cuda(
@@ -205,6 +216,8 @@ def make_paged_decode_cuda(
     CPR = D // 16  # 16-byte chunks of a row
     NI = CPR // 2  # copy instructions of a 16-key group's K (or V) rows
     NJ, NM = D // 16, D // 8  # k16 steps of S = Q K^T, n8 tiles of O += P V
+    QH = H_qo + 2 * H_kv if append else H_qo  # heads of a q row (append: the fused qkv's)
+    NEW_ROWS = -(-D // NT)  # elements of the new K (and V) row per thread (append)
     TC_MB = TC_MIN_BLOCKS if tc_min_blocks is None else tc_min_blocks  # __launch_bounds__ (0: none)
     # CUDA-core path: each lane copies its own 16-byte chunks into its own slots of a ring of NS tiles in
     # shared memory and reads back only those, so no barrier is needed
@@ -476,6 +489,13 @@ def make_paged_decode_cuda(
         tc_pages(th, t + 1)
 
     @macro
+    def tc_prefetch(th):
+        # the copies of tiles 0 .. NS - 2, ahead of the loop
+        tc_pages(th, 0)
+        for p in T.unroll(NS - 1):
+            tc_issue(th, p, p)
+
+    @macro
     def tc_read(th, s):
         # this lane's fragments' codes: K rows g, g + 8 (chunks 4 q + c), V rows 2c, 2c+1, 2c+8, 2c+9
         # (chunks 8 q + g) of each 16-key group
@@ -503,53 +523,74 @@ def make_paged_decode_cuda(
             sc[n, 0] = T.float32(0)
             sc[n, 1] = T.float32(0)
         for jj in T.unroll(NJ):  # the 2 NK accumulators advance side by side
+            # a k step's conversions first, then its mmas: no mma waits on the conversion just before it
             for n in T.unroll(2 * NK):
-                T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[0], th.kc16[n // 2, n % 2, 2 * jj])
-                T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[1], th.kc16[n // 2, n % 2, 2 * jj + 1])
+                T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[n, 0], th.kc16[n // 2, n % 2, 2 * jj])
+                T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[n, 1], th.kc16[n // 2, n % 2, 2 * jj + 1])
+            for n in T.unroll(2 * NK):
                 T.ptx[MMA_F16](
                     sc[n, 0],
                     sc[n, 1],
-                    th.junk[0],
-                    th.junk[1],
+                    sc[n, 2],
+                    sc[n, 3],
                     th.qa[jj, 0],
-                    T.uint32(0),
                     th.qa[jj, 1],
-                    T.uint32(0),
-                    th.kf[0],
-                    th.kf[1],
+                    th.qa[jj, 2],
+                    th.qa[jj, 3],
+                    th.kf[n, 0],
+                    th.kf[n, 1],
                     sc[n, 0],
                     sc[n, 1],
-                    T.float32(0),
-                    T.float32(0),
+                    sc[n, 2],
+                    sc[n, 3],
                 )
-        for n in T.unroll(2 * NK):
-            for e in T.unroll(2):
-                sc[n, e] = T.if_then_else(
-                    x_base(seq) + t * KB + th.w * KT + n * 8 + 2 * th.c + e < seq[DSEQ.end],
-                    sc[n, e] * th.tm[2],
-                    T.float32(neg_inf),
-                )
-        # online softmax (base 2) of row g: the 4 lanes of the row agree on its max
-        st[TILE.m_new] = th.tm[0]
+        if x_base(seq) + t * KB + th.w * KT + KT <= seq[DSEQ.end]:  # every key of the warp's tile is visited
+            for n in T.unroll(2 * NK):
+                for e in T.unroll(2):
+                    sc[n, e] = sc[n, e] * th.tm[2]
+        else:
+            for n in T.unroll(2 * NK):
+                for e in T.unroll(2):
+                    sc[n, e] = T.if_then_else(
+                        x_base(seq) + t * KB + th.w * KT + n * 8 + 2 * th.c + e < seq[DSEQ.end],
+                        sc[n, e] * th.tm[2],
+                        T.float32(neg_inf),
+                    )
+        # online softmax (base 2) of row g against a reference max tm[0], which the 4 lanes of the row
+        # share: it moves only when some score of the warp's rows passes it by more than LAZY_RESCALE
+        # (then the row maxima are reduced and the state rescaled), so most tiles neither shuffle nor
+        # rescale, and every probability stays below 2^LAZY_RESCALE (fp16 holds it exactly as well)
+        st[TILE.m_new] = T.float32(neg_inf)
         for n in T.unroll(2 * NK):
             st[TILE.m_new] = T.max(st[TILE.m_new], T.max(sc[n, 0], sc[n, 1]))
-        st[TILE.m_new] = T.max(st[TILE.m_new], shfl_xor(T.uint32(FULL), st[TILE.m_new], 1, WARP))
-        st[TILE.m_new] = T.max(st[TILE.m_new], shfl_xor(T.uint32(FULL), st[TILE.m_new], 2, WARP))
-        st[TILE.base] = T.if_then_else(st[TILE.m_new] == T.float32(neg_inf), T.float32(0), st[TILE.m_new])
-        st[TILE.alpha] = T.exp2(th.tm[0] - st[TILE.base])
-        th.tm[1] = th.tm[1] * st[TILE.alpha]
-        for mm in T.unroll(NM):
-            th.Oc[mm, 0] = th.Oc[mm, 0] * st[TILE.alpha]
-            th.Oc[mm, 1] = th.Oc[mm, 1] * st[TILE.alpha]
+        if (
+            T.call_extern(
+                "int32",
+                "__any_sync",
+                T.uint32(FULL),
+                T.Cast("int32", st[TILE.m_new] > th.tm[0] + T.float32(LAZY_RESCALE)),
+            )
+            != 0
+        ):
+            st[TILE.m_new] = T.max(st[TILE.m_new], th.tm[0])
+            st[TILE.m_new] = T.max(st[TILE.m_new], shfl_xor(T.uint32(FULL), st[TILE.m_new], 1, WARP))
+            st[TILE.m_new] = T.max(st[TILE.m_new], shfl_xor(T.uint32(FULL), st[TILE.m_new], 2, WARP))
+            st[TILE.base] = T.if_then_else(st[TILE.m_new] == T.float32(neg_inf), T.float32(0), st[TILE.m_new])
+            st[TILE.alpha] = T.exp2(th.tm[0] - st[TILE.base])  # 0 while the old reference is -inf
+            th.tm[1] = th.tm[1] * st[TILE.alpha]
+            for mm in T.unroll(NM):
+                th.Oc[mm, 0] = th.Oc[mm, 0] * st[TILE.alpha]
+                th.Oc[mm, 1] = th.Oc[mm, 1] * st[TILE.alpha]
+            th.tm[0] = st[TILE.m_new]
+        st[TILE.base] = T.if_then_else(th.tm[0] == T.float32(neg_inf), T.float32(0), th.tm[0])
         for n in T.unroll(2 * NK):
             for e in T.unroll(2):
                 sc[n, e] = T.exp2(sc[n, e] - st[TILE.base])
                 th.tm[1] = th.tm[1] + sc[n, e]
-        th.tm[0] = st[TILE.m_new]
         # O += P V, one 16-key group at a time
         for kk in T.unroll(NK):
             T.ptx[CVT_F16X2](th.pa[0], sc[2 * kk, 1], sc[2 * kk, 0])
-            T.ptx[CVT_F16X2](th.pa[1], sc[2 * kk + 1, 1], sc[2 * kk + 1, 0])
+            T.ptx[CVT_F16X2](th.pa[2], sc[2 * kk + 1, 1], sc[2 * kk + 1, 0])
             for w4 in T.unroll(VBY // 4):
                 for r2 in T.unroll(2):  # keys (2c, 2c+1), then (2c+8, 2c+9)
                     th.pr[2 * r2] = T.call_extern(
@@ -558,24 +599,25 @@ def make_paged_decode_cuda(
                     th.pr[2 * r2 + 1] = T.call_extern(
                         "uint32", "__byte_perm", th.vc[kk, 2 * r2, w4], th.vc[kk, 2 * r2 + 1, w4], T.uint32(PERM_HI)
                     )
+                for dd in T.unroll(4):  # (conversions first, as for S)
+                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[dd, 0], th.pr16[dd])
+                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[dd, 1], th.pr16[4 + dd])
                 for dd in T.unroll(4):
-                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[0], th.pr16[dd])
-                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[1], th.pr16[4 + dd])
                     T.ptx[MMA_F16](
                         th.Oc[w4 * 4 + dd, 0],
                         th.Oc[w4 * 4 + dd, 1],
-                        th.junk[0],
-                        th.junk[1],
+                        th.Oc[w4 * 4 + dd, 2],
+                        th.Oc[w4 * 4 + dd, 3],
                         th.pa[0],
-                        T.uint32(0),
                         th.pa[1],
-                        T.uint32(0),
-                        th.vf[0],
-                        th.vf[1],
+                        th.pa[2],
+                        th.pa[3],
+                        th.vf[dd, 0],
+                        th.vf[dd, 1],
                         th.Oc[w4 * 4 + dd, 0],
                         th.Oc[w4 * 4 + dd, 1],
-                        T.float32(0),
-                        T.float32(0),
+                        th.Oc[w4 * 4 + dd, 2],
+                        th.Oc[w4 * 4 + dd, 3],
                     )
 
     def q_value(q, q_pos, rope_scale, rope_theta, b, h, d):
@@ -591,6 +633,64 @@ def make_paged_decode_cuda(
         )
         return x * T.cos(angle) + partner * T.sin(angle)
 
+    def partner_dim(d):
+        # the rotate-half partner of dim d (its sign is that of rotated_k)
+        return T.if_then_else(d < HALF, d + HALF, d - HALF)
+
+    def rotated_k(x, partner, d, angle):
+        # a new key's element d (raw value x, its partner dim's raw value partner) rotated by its position,
+        # in float32 as split_rope, in the activation dtype
+        return T.Cast(
+            dtype,
+            T.Cast("float32", x) * T.cos(angle)
+            + T.if_then_else(d < HALF, T.float32(0) - T.Cast("float32", partner), T.Cast("float32", partner))
+            * T.sin(angle),
+        )
+
+    def new_k(q, b, hk, d, angle):
+        # element d of sequence b's new key (kv head hk) as the pages store it: rotated by its position
+        # in rope mode "normal", raw otherwise
+        if rotate:
+            return rotated_k(q[b, H_qo + hk, d], q[b, H_qo + hk, partner_dim(d)], d, angle)
+        return q[b, H_qo + hk, d]
+
+    def new_k_angle(q_pos, rope_scale, rope_theta, b, d):
+        # the rotation angle of a new key's dim d: its position times the dim's frequency
+        return T.Cast("float32", q_pos[b]) * rope_inv_freq(rope_scale, rope_theta, d % HALF, D)
+
+    @macro
+    def load_new_kv(b, hk, tx, raw, slot):
+        # this thread's elements of the new token's k (and partner dims) and v, and its slot, into registers:
+        # loads only, issued at the block's start, used by store_new_kv once the first copies are out
+        slot[0] = new_slots[b]
+        for r in T.unroll(NEW_ROWS):
+            if r * NT + tx < D:
+                raw[0, r] = q[b, H_qo + hk, r * NT + tx]
+                raw[1, r] = q[b, H_qo + H_kv + hk, r * NT + tx]
+                if rotate:
+                    raw[2, r] = q[b, H_qo + hk, partner_dim(r * NT + tx)]
+
+    def loaded_k(raw, r, angle, d):
+        # element d of the new key from load_new_kv's registers (row r), as new_k
+        if rotate:
+            return rotated_k(raw[0, r], raw[2, r], d, angle)
+        return raw[0, r]
+
+    @macro
+    def store_new_kv(b, hk, tx, raw, slot):
+        # put_new_kv from the registers load_new_kv filled
+        if slot[0] >= 0:
+            for r in T.unroll(NEW_ROWS):
+                if r * NT + tx < D:
+                    pages[slot[0] // P, 0, hk, slot[0] % P, r * NT + tx] = page_code(
+                        spec,
+                        loaded_k(raw, r, new_k_angle(q_pos, rope_scale, rope_theta, b, r * NT + tx), r * NT + tx),
+                        scale,
+                        0,
+                        hk,
+                    )
+                    pages[slot[0] // P, 1, hk, slot[0] % P, r * NT + tx] = page_code(spec, raw[1, r], scale, 1, hk)
+
     @macro
     def tc_stream(b, hk, h0, tx, seq, st, Ms, Ls, Os, stg):
         # the tensor-core path of one block: q as A fragments, the key stream, each warp's (m, l, O) of its
@@ -604,41 +704,69 @@ def make_paged_decode_cuda(
         vc = T.alloc_buffer((NK, 4, VBY // 4), "uint32", scope="local")
         pr = T.alloc_buffer((4,), "uint32", scope="local")  # two keys' codes paired per dim
         pr16 = T.decl_buffer((8,), "uint16", data=pr.data, scope="local")
-        qa = T.alloc_buffer((NJ, 2), "uint32", scope="local")  # q's A fragments (row g)
-        kf = T.alloc_buffer((2,), "uint32", scope="local")
-        vf = T.alloc_buffer((2,), "uint32", scope="local")
-        pa = T.alloc_buffer((2,), "uint32", scope="local")
-        sc = T.alloc_buffer((2 * NK, 2), "float32", scope="local")
-        junk = T.alloc_buffer((2,), "float32", scope="local")  # rows 8..15 of the mma tiles (unused)
-        Oc = T.alloc_buffer((NM, 2), "float32", scope="local")
+        # the mma operands keep all four registers of a fragment: A rows 8..15 (q's, P's) are zero, and the
+        # C / D rows 8..15 (sc[:, 2:], Oc[:, 2:]) accumulate those zero rows in place, never read, so that
+        # no accumulator is moved or re-zeroed around an mma
+        qa = T.alloc_buffer((NJ, 4), "uint32", scope="local")  # q's A fragments (row g)
+        kf = T.alloc_buffer((2 * NK, 2), "uint32", scope="local")  # B fragments of a k step of S
+        vf = T.alloc_buffer((4, 2), "uint32", scope="local")  # ... of 4 n8 tiles of O += P V
+        pa = T.alloc_buffer((4,), "uint32", scope="local")
+        sc = T.alloc_buffer((2 * NK, 4), "float32", scope="local")
+        Oc = T.alloc_buffer((NM, 4), "float32", scope="local")
         tm = T.alloc_buffer((3,), "float32", scope="local")  # running max, lane's partial sum, q factor
+        q_words = T.decl_buffer((1,), "uint32", data=q.data)  # q as fp16 pairs, flat
+        new_raw = T.alloc_buffer((3, NEW_ROWS), dtype, scope="local")  # the new token's k, v, k's partners
+        new_slot = T.alloc_buffer((1,), "int32", scope="local")
+        if append:
+            load_new_kv(b, hk, tx, new_raw, new_slot)
         th = T.meta_var(
-            TcThread(
-                hk, w, tx % WARP, g, c, tx, seq, pid, stg, kc, kc16, vc, pr, pr16, qa, kf, vf, pa, sc, junk, Oc, tm, st
-            )
+            TcThread(hk, w, tx % WARP, g, c, tx, seq, pid, stg, kc, kc16, vc, pr, pr16, qa, kf, vf, pa, sc, Oc, tm, st)
         )
         tm[0] = T.float32(neg_inf)
         tm[1] = T.float32(0)
         tm[2] = times_key_scale(sm_scale * T.float32(LOG2E), scale, hk)
         for mm in T.unroll(NM):
-            Oc[mm, 0] = T.float32(0)
-            Oc[mm, 1] = T.float32(0)
+            for e in T.unroll(4):
+                Oc[mm, e] = T.float32(0)
+        for n in T.unroll(2 * NK):
+            sc[n, 2] = T.float32(0)
+            sc[n, 3] = T.float32(0)
+        pa[1] = T.uint32(0)
+        pa[3] = T.uint32(0)
         for jj in T.unroll(NJ):
             for e in T.unroll(2):
-                qa[jj, e] = T.uint32(0)
+                qa[jj, 2 * e] = T.uint32(0)
+                qa[jj, 2 * e + 1] = T.uint32(0)
                 if g < GQ:
-                    T.ptx[CVT_F16X2](
-                        qa[jj, e],
-                        q_value(q, q_pos, rope_scale, rope_theta, b, h0 + g, tc_kdim(c, jj) + 2 * e + 1),
-                        q_value(q, q_pos, rope_scale, rope_theta, b, h0 + g, tc_kdim(c, jj) + 2 * e),
-                    )
-        if seq[DSEQ.end] > x_base(seq):
-            tc_pages(th, 0)
-            for p in T.unroll(NS - 1):
-                tc_issue(th, p, p)
-        for t in T.serial(T.max(seq[DSEQ.end] - x_base(seq) + KB - 1, 0) // KB):
+                    if rotate:
+                        T.ptx[CVT_F16X2](
+                            qa[jj, 2 * e],
+                            q_value(q, q_pos, rope_scale, rope_theta, b, h0 + g, tc_kdim(c, jj) + 2 * e + 1),
+                            q_value(q, q_pos, rope_scale, rope_theta, b, h0 + g, tc_kdim(c, jj) + 2 * e),
+                        )
+                    else:  # the fp16 pair as it is (one 4-byte load)
+                        qa[jj, 2 * e] = q_words[((b * QH + h0 + g) * D + tc_kdim(c, jj) + 2 * e) // 2]
+        # the first NS - 1 tiles' copies go out before the block stores the new token (append), unless
+        # that token's key is among them: then after the store, as the copies read it back from the pages
+        if append:  # the blocks whose keys reach the new token store it
+            reach = T.meta_var(seq[DSEQ.end] > x_base(seq) and seq[DSEQ.end] - 1 == seq[DSEQ.last])
+            late = T.meta_var((seq[DSEQ.end] - 1 - x_base(seq)) // KB < NS - 1)  # its key in the first tiles
+            if seq[DSEQ.end] > x_base(seq) and not (reach and late):
+                tc_prefetch(th)
+            if reach:
+                store_new_kv(b, hk, tx, new_raw, new_slot)
+            T.tvm_storage_sync("shared")  # (and the block's global stores before its copies)
+            if reach and late:
+                tc_prefetch(th)
+        elif seq[DSEQ.end] > x_base(seq):
+            tc_prefetch(th)
+        ntiles = T.meta_var(T.max(seq[DSEQ.end] - x_base(seq) + KB - 1, 0) // KB)
+        for t in T.serial(ntiles):
             T.cuda.warp_sync()  # every lane has read the stage the next copies overwrite
-            tc_issue(th, t + NS - 1, (t + NS - 1) % NS)
+            if t + NS - 1 < ntiles:
+                tc_issue(th, t + NS - 1, (t + NS - 1) % NS)
+            else:  # past the last tile: an empty group keeps wait_group's count
+                T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](NS - 1)
             T.cuda.warp_sync()  # ... and every lane's copies of tile t have landed
             tc_read(th, t % NS)
@@ -666,38 +794,15 @@ def make_paged_decode_cuda(
             if d == 0:
                 lse[b, h] = lse_value
 
-    def new_k(q, b, hk, d, angle):
-        # element d of sequence b's new key (kv head hk) as the pages store it: rotated by its position
-        # in rope mode "normal" (float32, as split_rope), raw otherwise
-        if rotate:
-            return T.Cast(
-                dtype,
-                T.Cast("float32", q[b, H_qo + hk, d]) * T.cos(angle)
-                + T.if_then_else(
-                    d < HALF,
-                    T.float32(0) - T.Cast("float32", q[b, H_qo + hk, d + HALF]),
-                    T.Cast("float32", q[b, H_qo + hk, d - HALF]),
-                )
-                * T.sin(angle),
-            )
-        return q[b, H_qo + hk, d]
-
     @macro
     def put_new_kv(b, hk, tx):
         # the new token's k and v into its slot (skipped where the slot is negative), one element a thread
         if new_slots[b] >= 0:
-            for r in T.unroll(-(-D // NT)):
+            for r in T.unroll(NEW_ROWS):
                 if r * NT + tx < D:
                     pages[new_slots[b] // P, 0, hk, new_slots[b] % P, r * NT + tx] = page_code(
                         spec,
-                        new_k(
-                            q,
-                            b,
-                            hk,
-                            r * NT + tx,
-                            T.Cast("float32", q_pos[b])
-                            * rope_inv_freq(rope_scale, rope_theta, (r * NT + tx) % HALF, D),
-                        ),
+                        new_k(q, b, hk, r * NT + tx, new_k_angle(q_pos, rope_scale, rope_theta, b, r * NT + tx)),
                         scale,
                         0,
                         hk,
@@ -863,11 +968,7 @@ def make_paged_decode_cuda(
         if split:  # this block's chunk of the visited keys: [x0, end)
             seq[DSEQ.x0] = ch * kv_chunk
             seq[DSEQ.end] = T.min(seq[DSEQ.end], seq[DSEQ.x0] + kv_chunk)
-        if append and tc:  # the blocks whose keys reach the new token store it, then copy it back
-            if seq[DSEQ.end] > x_base(seq) and seq[DSEQ.end] - 1 == seq[DSEQ.last]:
-                put_new_kv(b, hk, tx)
-            T.tvm_storage_sync("shared")  # (and the block's global stores before its copies)
-        elif append:
+        if append and not tc:  # (on the tensor-core path the blocks whose keys reach the new token store it)
             if bx // NSPLIT % NGB == 0 and ch == 0:  # one block per (sequence, kv head) stores the new K/V
                 put_new_kv(b, hk, tx)
 
