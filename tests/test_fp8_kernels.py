@@ -616,9 +616,10 @@ def test_fp8_tensor_core_decode(target, shape, rng):
 
 def test_fp8_tensor_core_decode_when_the_max_moves(target):
     """The tensor-core decode rescales a warp's running state only in tiles where some query head's max
-    rises: keys whose scores climb along the sequence (a new max in nearly every tile), fall (the max in
-    the first tile, every later tile skips the rescale), and climb in one query head only while the
-    others fall, unsplit and split + merge in one launch, against the fp64 reference."""
+    rises by more than LAZY_RESCALE: keys whose scores climb along the sequence (a new max in nearly
+    every tile), fall (the max in the first tile, every later tile skips the rescale), and climb for one
+    query head of each group while another falls; unsplit and split + merge in one launch, against the
+    fp64 reference."""
     if target != "cuda":
         pytest.skip("the tensor-core decode is a cuda schedule")
     from tvmkv.tir.decode_layout import split_granule
