@@ -615,11 +615,13 @@ def test_fp8_tensor_core_decode(target, shape, rng):
 
 
 def test_fp8_tensor_core_decode_when_the_max_moves(target):
-    """The tensor-core decode rescales a warp's running state only in tiles where some query head's max
-    rises by more than LAZY_RESCALE: keys whose scores climb along the sequence (a new max in nearly
-    every tile), fall (the max in the first tile, every later tile skips the rescale), and climb for one
-    query head of each group while another falls; unsplit and split + merge in one launch, against the
-    fp64 reference."""
+    """The tensor-core decode moves a warp's reference max (and rescales its state) only in tiles where
+    some query head's score passes it by more than LAZY_RESCALE (8, base 2). Keys along a staircase
+    whose every step, each 48 keys, raises the scores by about 10 in base 2: a climbing sequence moves
+    the reference in most tiles of each warp, after its first, in each 256-key chunk too; a falling one
+    has its max in the first tile, and later tiles skip the rescale; a third climbs for one query head
+    of each group while another falls. Unsplit and split + merge in one launch, against the fp64
+    reference."""
     if target != "cuda":
         pytest.skip("the tensor-core decode is a cuda schedule")
     from tvmkv.tir.decode_layout import split_granule
@@ -634,15 +636,19 @@ def test_fp8_tensor_core_decode_when_the_max_moves(target):
     layout = Table(np.random.default_rng(5), kv_lens, fmt, np.ones((2, h_kv), np.float32), h_kv=h_kv, d=d, p=p)
     values = rng.standard_normal((len(layout.pages), 2, h_kv, p, d)).astype(np.float32) * 0.3
     unit = q.astype(np.float32) / np.linalg.norm(q.astype(np.float32), axis=-1, keepdims=True)
+    # a step of 7 along a query's unit vector adds 7 |q| / sqrt(d) * log2(e), about 10, to its base-2 score
+    step, every = 7.0, 48
     for b, n in enumerate(kv_lens):
         ids = layout.page_indices[layout.page_indptr[b] : layout.page_indptr[b + 1]]
+        top = (n - 1) // every * step
         for j in range(n):
-            up, down = (j / n, 0.0) if b == 0 else (0.0, 1 - j / n) if b == 1 else (j / n, 1 - j / n)
+            up = j // every * step
+            up, down = (up, 0.0) if b == 0 else (0.0, top - up) if b == 1 else (up, top - up)
             for hk in range(h_kv):  # head 0 of the group climbs or falls (sequence 2: head 1 climbs)
                 h0 = hk * group
                 toward = unit[b, h0 + 1] if b == 2 else unit[b, h0]
-                values[ids[j // p], 0, hk, j % p] += 6.0 * (up * toward + down * unit[b, h0])
-    scale = np.full((2, h_kv), 8.0 / 448.0, np.float32)
+                values[ids[j // p], 0, hk, j % p] += up * toward + down * unit[b, h0]
+    scale = (np.abs(values).max(axis=(0, 3, 4)) / 440.0).astype(np.float32)  # [K | V, kv head]: no saturation
     tab = Table(np.random.default_rng(5), kv_lens, fmt, scale, values, h_kv=h_kv, d=d, p=p)
     assert np.array_equal(tab.page_indices, layout.page_indices)
     q_pos = np.array(kv_lens, np.int32) - 1

@@ -57,9 +57,9 @@ Design (one query token per sequence, so the kernel is a pure stream over the se
   batches where this path is not bandwidth-bound), so the code avoids work on it: every mma keeps all
   four registers of its fragments (rows 8..15 of A are zero; rows 8..15 of C / D accumulate those
   zeros in place, never read), so no accumulator is moved or re-zeroed; a k step's conversions come
-  before its mmas; the q fragments are the fp16 pairs as loaded; and in the one-launch decode the
-  first tiles' copies go out before the block stores the new token (whose values and slot were
-  loaded at the start), unless its key is among them.
+  before its mmas; the q fragments are the fp16 pairs as loaded (unless q is rotated here); and in the
+  one-launch decode the first tiles' copies go out before the block stores the new token (whose
+  values and slot were loaded at the start), unless its key is among them.
 * ``sliding``: only valid slots are visited (the sink ``[0, sink_end)`` then ``[window_start,
   kv_len)``), so a window costs only its size. ``inline_rope``: q is rotated once at load; a key's
   rotate-half partner element lives in lane ``lt ^ TPK/2`` of the same sub-warp (one shuffle).
@@ -100,7 +100,8 @@ CP16 = "cp.async.cg.shared.global"
 CP8 = "cp.async.ca.shared.global"  # 8-byte copies (cg takes 16 only): fp8 pages' 8-code rows
 MERGE_UNROLL = 4  # o_part loads of the in-kernel merge issued together
 # the tensor-core path's reference max moves only for scores above it by more than this (base 2): its
-# probabilities stay below 2^8, exact in fp16 as smaller ones, and most tiles skip the max reduction
+# probabilities are at most 2^8 (rounded to fp16 with the same relative error as smaller ones), and most
+# tiles skip the max reduction
 LAZY_RESCALE = 8.0
 
 # Named slots (see _kernel_common.slots). DSEQ, the block's sequence: its first page entry
@@ -559,7 +560,7 @@ def make_paged_decode_cuda(
         # online softmax (base 2) of row g against a reference max tm[0], which the 4 lanes of the row
         # share: it moves only when some score of the warp's rows passes it by more than LAZY_RESCALE
         # (then the row maxima are reduced and the state rescaled), so most tiles neither shuffle nor
-        # rescale, and every probability stays below 2^LAZY_RESCALE (fp16 holds it exactly as well)
+        # rescale, and every probability is at most 2^LAZY_RESCALE (fp16 rounds it as it rounds smaller ones)
         st[TILE.m_new] = T.float32(neg_inf)
         for n in T.unroll(2 * NK):
             st[TILE.m_new] = T.max(st[TILE.m_new], T.max(sc[n, 0], sc[n, 1]))
@@ -713,8 +714,9 @@ def make_paged_decode_cuda(
         pa = T.alloc_buffer((4,), "uint32", scope="local")
         sc = T.alloc_buffer((2 * NK, 4), "float32", scope="local")
         Oc = T.alloc_buffer((NM, 4), "float32", scope="local")
-        tm = T.alloc_buffer((3,), "float32", scope="local")  # running max, lane's partial sum, q factor
-        q_words = T.decl_buffer((1,), "uint32", data=q.data)  # q as fp16 pairs, flat
+        tm = T.alloc_buffer((3,), "float32", scope="local")  # reference max, lane's partial sum, q factor
+        # q as fp16 pairs, flat (4-byte loads: TVM's DLPack import refuses data not aligned to 64 bytes)
+        q_words = T.decl_buffer((B * QH * D // 2,), "uint32", data=q.data)
         new_raw = T.alloc_buffer((3, NEW_ROWS), dtype, scope="local")  # the new token's k, v, k's partners
         new_slot = T.alloc_buffer((1,), "int32", scope="local")
         if append:
