@@ -78,7 +78,15 @@ from tvm.script import tirx as T
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
 from .decode_layout import MERGE_MAX_SPLITS, WARP, decode_layout
-from .fp8 import PAIR_TO_HALF2, kv_scale_buffer, page_code, page_value, times_key_scale, times_value_scale
+from .fp8 import (
+    PAIR_TO_HALF2,
+    kv_scale_buffer,
+    page_code,
+    page_code_under,
+    page_value,
+    times_key_scale,
+    times_value_scale,
+)
 from .spec import KernelSpec, dtype_bytes
 
 # cp.async ring depth of the K/V staging in shared memory (1: loads into registers). 16-bit pages: 2
@@ -660,10 +668,14 @@ def make_paged_decode_cuda(
         return T.Cast("float32", q_pos[b]) * rope_inv_freq(rope_scale, rope_theta, d % HALF, D)
 
     @macro
-    def load_new_kv(b, hk, tx, raw, slot):
-        # this thread's elements of the new token's k (and partner dims) and v, and its slot, into registers:
-        # loads only, issued at the block's start, used by store_new_kv once the first copies are out
+    def load_new_kv(b, hk, tx, raw, slot, kv_scales):
+        # this thread's elements of the new token's k (and partner dims) and v, its slot and the K / V
+        # scales into registers: loads only, issued at the block's start, used by store_new_kv once the
+        # first copies are out
         slot[0] = new_slots[b]
+        if spec.fp8_pages:
+            kv_scales[0] = scale[0, hk]
+            kv_scales[1] = scale[1, hk]
         for r in T.unroll(NEW_ROWS):
             if r * NT + tx < D:
                 raw[0, r] = q[b, H_qo + hk, r * NT + tx]
@@ -678,19 +690,19 @@ def make_paged_decode_cuda(
         return raw[0, r]
 
     @macro
-    def store_new_kv(b, hk, tx, raw, slot):
+    def store_new_kv(b, hk, tx, raw, slot, kv_scales):
         # put_new_kv from the registers load_new_kv filled
         if slot[0] >= 0:
             for r in T.unroll(NEW_ROWS):
                 if r * NT + tx < D:
-                    pages[slot[0] // P, 0, hk, slot[0] % P, r * NT + tx] = page_code(
+                    pages[slot[0] // P, 0, hk, slot[0] % P, r * NT + tx] = page_code_under(
                         spec,
                         loaded_k(raw, r, new_k_angle(q_pos, rope_scale, rope_theta, b, r * NT + tx), r * NT + tx),
-                        scale,
-                        0,
-                        hk,
+                        kv_scales[0],
                     )
-                    pages[slot[0] // P, 1, hk, slot[0] % P, r * NT + tx] = page_code(spec, raw[1, r], scale, 1, hk)
+                    pages[slot[0] // P, 1, hk, slot[0] % P, r * NT + tx] = page_code_under(
+                        spec, raw[1, r], kv_scales[1]
+                    )
 
     @macro
     def tc_stream(b, hk, h0, tx, seq, st, Ms, Ls, Os, stg):
@@ -719,8 +731,9 @@ def make_paged_decode_cuda(
         q_words = T.decl_buffer((B * QH * D // 2,), "uint32", data=q.data)
         new_raw = T.alloc_buffer((3, NEW_ROWS), dtype, scope="local")  # the new token's k, v, k's partners
         new_slot = T.alloc_buffer((1,), "int32", scope="local")
+        new_scales = T.alloc_buffer((2,), "float32", scope="local")  # K, V scales of the kv head (fp8)
         if append:
-            load_new_kv(b, hk, tx, new_raw, new_slot)
+            load_new_kv(b, hk, tx, new_raw, new_slot, new_scales)
         th = T.meta_var(
             TcThread(hk, w, tx % WARP, g, c, tx, seq, pid, stg, kc, kc16, vc, pr, pr16, qa, kf, vf, pa, sc, Oc, tm, st)
         )
@@ -756,7 +769,7 @@ def make_paged_decode_cuda(
             if seq[DSEQ.end] > x_base(seq) and not (reach and late):
                 tc_prefetch(th)
             if reach:
-                store_new_kv(b, hk, tx, new_raw, new_slot)
+                store_new_kv(b, hk, tx, new_raw, new_slot, new_scales)
             T.tvm_storage_sync("shared")  # (and the block's global stores before its copies)
             if reach and late:
                 tc_prefetch(th)

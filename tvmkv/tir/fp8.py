@@ -149,8 +149,13 @@ def page_value(spec: KernelSpec, element):
 def page_code(spec: KernelSpec, x, scale, kv: int, hk):
     """What a page stores for the value ``x`` (any float dtype) of K (``kv`` 0) or V (1) of KV head
     ``hk``: ``x`` itself, or its fp8 code under ``scale[kv, hk]`` (``scale``: :func:`kv_scale_buffer`)."""
+    return page_code_under(spec, x, scale[kv, hk] if spec.fp8_pages else None)
+
+
+def page_code_under(spec: KernelSpec, x, scale_value):
+    """:func:`page_code` with the scale given as a value (e.g. loaded into a register ahead of its use)."""
     if spec.fp8_pages:
-        return quantize(T.Cast("float32", x) / scale[kv, hk], spec.page_dtype, spec.is_cpu)
+        return quantize(T.Cast("float32", x) / scale_value, spec.page_dtype, spec.is_cpu)
     return x
 
 
