@@ -558,6 +558,18 @@ def test_fp8_decode_with_inline_rope_and_window(target, rng):
     _check(o, lse, o_ref, lse_ref, tol=3e-2)
 
 
+def _check_unsplit_decode(lib, target, q, q_pos, tab, scale, sm_scale, o_ref, lse_ref):
+    """Run ``paged_decode`` over ``tab``'s pages and check it against the reference; returns the kernel's
+    device arguments up to the outputs and the device ``lse`` buffer, for the split runs that follow."""
+    args = [to_dev(a, target) for a in (q, q_pos)] + [to_dev(tab.pages, target), to_dev(scale, target)]
+    args += [to_dev(a, target) for a in tab.tables()]
+    o = to_dev(np.ones_like(q), target)
+    lse = to_dev(np.zeros(q.shape[:2], np.float32), target)
+    lib["paged_decode"](*args, o, lse, sm_scale, *ROPE)
+    _check(o, lse, o_ref, lse_ref)
+    return args, lse
+
+
 # the tensor-core decode (decode_cuda, "Tensor cores"): H_qo, H_kv, D, P, format
 TC_SHAPES = [
     (8, 2, 128, 16, "float8_e4m3fn"),  # group 4: mma rows 4..15 idle; a 16-key group in one or two pages
@@ -588,12 +600,7 @@ def test_fp8_tensor_core_decode(target, shape, rng):
     q_pos = np.array([max(n - 1, 0) for n in kv_lens], np.int32)
     sm_scale = 1.0 / math.sqrt(d)
     o_ref, lse_ref = ref.paged_decode(q, q_pos, tab.values, *tab.tables(), sm_scale, *ROPE)
-    args = [to_dev(a, target) for a in (q, q_pos)] + [to_dev(tab.pages, target), to_dev(scale, target)]
-    args += [to_dev(a, target) for a in tab.tables()]
-    o = to_dev(np.ones_like(q), target)
-    lse = to_dev(np.zeros((B, h_qo), np.float32), target)
-    lib["paged_decode"](*args, o, lse, sm_scale, *ROPE)
-    _check(o, lse, o_ref, lse_ref)
+    args, lse = _check_unsplit_decode(lib, target, q, q_pos, tab, scale, sm_scale, o_ref, lse_ref)
     blocks = split_granule(spec)[0]
     for kv_chunk in (5, 48, 64, 1000):
         S = -(-max(kv_lens) // kv_chunk)
@@ -654,12 +661,7 @@ def test_fp8_tensor_core_decode_when_the_max_moves(target):
     q_pos = np.array(kv_lens, np.int32) - 1
     sm_scale = 1.0 / math.sqrt(d)
     o_ref, lse_ref = ref.paged_decode(q, q_pos, tab.values, *tab.tables(), sm_scale, *ROPE)
-    args = [to_dev(a, target) for a in (q, q_pos)] + [to_dev(tab.pages, target), to_dev(scale, target)]
-    args += [to_dev(a, target) for a in tab.tables()]
-    o = to_dev(np.ones_like(q), target)
-    lse = to_dev(np.zeros((B, h_qo), np.float32), target)
-    lib["paged_decode"](*args, o, lse, sm_scale, *ROPE)
-    _check(o, lse, o_ref, lse_ref)
+    args, lse = _check_unsplit_decode(lib, target, q, q_pos, tab, scale, sm_scale, o_ref, lse_ref)
     kv_chunk = 256
     S = -(-max(kv_lens) // kv_chunk)
     o_part = to_dev(np.full((S, B, h_qo, d), np.nan, np.float32), target)
