@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,29 @@ def test_dir_manifest_stays_consistent_with_concurrent_writers(tmp_path):
         t.join()
     top = json.loads((target_dir / "manifest.json").read_text())
     assert [a["name"] for a in top["artifacts"]] == sorted(names)
+
+
+def test_concurrent_builds_of_one_library_compile_it_once(tiny, monkeypatch):
+    """Processes or threads that want the same library at once (pytest workers, servers started
+    together) take turns on its lock: one compiles, the others load what it wrote."""
+    calls = []
+
+    def slow_kernel_set(spec, **kw):
+        calls.append(spec)
+        time.sleep(1.0)  # every other builder is waiting by now
+        return _tiny_kernel_set(spec, **kw)
+
+    monkeypatch.setattr(tir, "kernel_set", slow_kernel_set)
+    key, paths = BuildKey(_spec()), []
+    threads = [threading.Thread(target=lambda: paths.append(build.build_kernel_set(key, tiny))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1, f"{len(calls)} compiles of one library"
+    assert len(paths) == 3 and len(set(paths)) == 1 and paths[0].is_file()
+    top = json.loads((tiny / "llvm" / "manifest.json").read_text())
+    assert [a["name"] for a in top["artifacts"]] == [key.name]
 
 
 def test_config_file_expansion_and_errors():

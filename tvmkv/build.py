@@ -557,7 +557,10 @@ def family_kernels(key: BuildKey) -> dict:
 
 
 def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:
-    """``(library path, cache_hit)``: compile ``key`` unless an up-to-date artifact exists."""
+    """``(library path, cache_hit)``: compile ``key`` unless an up-to-date artifact exists.
+
+    Processes that want the same artifact at once (test workers, servers started together) take
+    turns on a per-artifact file lock: the first compiles, the others then find its library fresh."""
     out = Path(build_dir or default_build_dir()) / key.target_dir
     lib_path = out / f"{key.name}.so"
     man_path = out / f"{key.name}.json"
@@ -569,6 +572,15 @@ def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:
             "so it cannot compile; prebuild it on the build machine (python -m tvmkv build ...) "
             "and carry build/"
         )
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f".{key.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not force and _is_fresh(lib_path, man_path, key.family):
+            return lib_path, True  # another process built it while this one waited
+        return _compile_artifact(key, out, lib_path, man_path, verbose=verbose)
+
+
+def _compile_artifact(key: BuildKey, out: Path, lib_path: Path, man_path: Path, *, verbose: bool) -> tuple:
     t0 = time.time()
     funcs = family_kernels(key)
     if verbose:
