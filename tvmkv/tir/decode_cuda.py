@@ -691,7 +691,8 @@ def make_paged_decode_cuda(
 
     @macro
     def store_new_kv(b, hk, tx, raw, slot, kv_scales):
-        # put_new_kv from the registers load_new_kv filled
+        # the new token's k (rotated in rope mode "normal") and v into its slot, fp8 pages quantized with
+        # the K / V scales, from the registers load_new_kv filled (nothing where the slot is negative)
         if slot[0] >= 0:
             for r in T.unroll(NEW_ROWS):
                 if r * NT + tx < D:
@@ -811,20 +812,14 @@ def make_paged_decode_cuda(
 
     @macro
     def put_new_kv(b, hk, tx):
-        # the new token's k and v into its slot (skipped where the slot is negative), one element a thread
-        if new_slots[b] >= 0:
-            for r in T.unroll(NEW_ROWS):
-                if r * NT + tx < D:
-                    pages[new_slots[b] // P, 0, hk, new_slots[b] % P, r * NT + tx] = page_code(
-                        spec,
-                        new_k(q, b, hk, r * NT + tx, new_k_angle(q_pos, rope_scale, rope_theta, b, r * NT + tx)),
-                        scale,
-                        0,
-                        hk,
-                    )
-                    pages[new_slots[b] // P, 1, hk, new_slots[b] % P, r * NT + tx] = page_code(
-                        spec, q[b, H_qo + H_kv + hk, r * NT + tx], scale, 1, hk
-                    )
+        # the new token's k and v into its slot (skipped where the slot is negative), one element a thread:
+        # load_new_kv's loads and store_new_kv's stores back to back (the CUDA-core path has no copies to
+        # issue between them)
+        raw = T.alloc_buffer((3, NEW_ROWS), dtype, scope="local")
+        slot = T.alloc_buffer((1,), "int32", scope="local")
+        kv_scales = T.alloc_buffer((2,), "float32", scope="local")
+        load_new_kv(b, hk, tx, raw, slot, kv_scales)
+        store_new_kv(b, hk, tx, raw, slot, kv_scales)
 
     @macro
     def take_new_kv(th, b, buf, t):
