@@ -368,6 +368,45 @@ def test_sessions_in_one_process_keep_their_own_errors_and_override():
         del ha, ca, h2
 
 
+def test_a_session_left_to_the_collector_does_not_hang_another(tmp_path):
+    """A session dropped without shutdown() inside a reference cycle (as a traceback's frames leave one),
+    with a cache on its workers, while another session's worker 0 (a thread of this process) runs the
+    collection: Disco's destructor would join the first session's worker 0 while holding the GIL that
+    worker needs to free the cache shard, and both would wait forever. Open sessions are held until
+    shutdown or exit, so the collection frees the cycle and nothing hangs; the dropped session is shut
+    down at exit (the process exits 0). In a subprocess, so that a hang is a timeout here."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "collect.py"
+    script.write_text(
+        "import gc\n"
+        "from tvm_ffi import register_global_func\n"
+        "from tvmkv import disco\n"
+        "from tvmkv.testing import cache_kwargs\n"
+        "shape = cache_kwargs()\n"
+        "kw = {k: v for k, v in shape.items() if k not in ('num_layers', 'num_qo_heads', 'num_kv_heads', 'head_dim')}\n"
+        "gc.disable()\n"
+        "a = disco.TvmkvSession(1)\n"
+        "cache = disco.DiscoKVCache(a, shape['num_layers'], 8, 2, 64, **kw)\n"
+        "cache.add_sequence(0)\n"
+        "cycle = [a, cache]\n"
+        "cycle.append(cycle)\n"
+        "del a, cache, cycle\n"
+        "b = disco.TvmkvSession(1)\n"
+        "register_global_func('tvmkv_test.collect', lambda: gc.collect(), override=True)\n"
+        "print('collected', b.fetch(b.call('tvmkv_test.collect')) > 0, flush=True)\n"
+        "b.shutdown()\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the collection on worker 0 hung (a session finalized by the garbage collector)")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "collected True" in done.stdout, done.stdout
+
+
 def test_a_refused_create_does_not_keep_the_session_alive():
     """from_handle raising inside ``with``: no DRef in the traceback keeps the workers running."""
     import warnings

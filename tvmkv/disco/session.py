@@ -37,6 +37,14 @@ from .runtime import load
 
 ENTRYPOINT = "tvmkv.disco"
 _pool_ids = itertools.count()
+# Sessions not shut down yet. Held here so that the garbage collector never finalizes one: Disco's
+# destructor joins the session's worker 0 (a thread of this process) while the finalizing thread holds
+# the GIL, and worker 0 may need the GIL to free what it still holds (cache shards), so a collection
+# that drops a session's last reference, on another session's worker-0 thread or on any thread, can
+# wait forever. A session dropped without shutdown() keeps its workers until the interpreter exits,
+# when _shutdown_open_sessions stops it (a session still open then would end in Disco's destructor
+# during finalization, which aborts).
+_OPEN: set = set()
 
 
 class WorkerDiedError(errors.TvmkvError, RuntimeError):
@@ -122,12 +130,11 @@ class TvmkvSession:
         self.session = session
         self.num_workers, self.num_groups = num_workers, num_groups
         self.group_size = num_workers // num_groups  # workers per group: one pipeline stage's shards
-        # a session still open at interpreter exit would end in Disco's destructor during finalization,
-        # which aborts: shut it down first (a weak reference, so this keeps nothing alive)
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
         # objects holding DRefs of this session (DiscoKVCache, DiscoLlama): shutdown closes them
         self.holders: weakref.WeakSet = weakref.WeakSet()
         self.ccl = ""  # the collective backend once set up ("gloo")
+        self._worker0_thread = None
+        _OPEN.add(self)  # until shutdown(): never finalized by the collector, stopped at exit at the latest
         # each worker learns its group (worker.stage()); worker 0 is a thread of this process
         self._worker0_thread = int(self.fetch(self.call(W.SET_GROUPS, num_groups)))
 
@@ -248,7 +255,9 @@ class TvmkvSession:
         # this thread holds the GIL, so let it finish its queue first (else the two wait on each other)
         self.session.sync_worker_0()
         self.session = None  # Disco's destructor tells the workers to stop and joins worker 0
-        W.forget_thread(self._worker0_thread)  # worker 0's state in this process (its override too)
+        _OPEN.discard(self)
+        if self._worker0_thread is not None:
+            W.forget_thread(self._worker0_thread)  # worker 0's state in this process (its override too)
         import tvm_ffi
 
         tvm_ffi.remove_global_func(self._pool_name)
@@ -274,10 +283,13 @@ class TvmkvSession:
         self.shutdown()
 
 
-def _shutdown_at_exit(ref) -> None:
-    session = ref()
-    if session is not None:
-        session.shutdown()
+@atexit.register
+def _shutdown_open_sessions() -> None:
+    for session in list(_OPEN):
+        try:
+            session.shutdown()
+        except Exception as err:  # the others must still stop: an open one would abort at finalization
+            print(f"tvmkv.disco: shutting a session down at exit failed: {err!r}", file=sys.stderr)
 
 
 _ERROR_TYPES = {
