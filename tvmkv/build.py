@@ -6,7 +6,9 @@ One artifact per cache configuration:
 next to its own ``<name>.json`` (configuration, target, TVM version, kernel names, hashes). A
 top-level ``build/<target-dir>/manifest.json`` lists every artifact of that directory; it is rewritten
 from the per-artifact jsons (under a file lock) whenever an artifact is written, so several processes
-may build into one directory. The in-process cache and the file names derive from one key.
+may build into one directory; each artifact is compiled under a lock of its own
+(``.<name>.lock``), so processes that want it at once compile it once. The in-process cache and the
+file names derive from one key.
 
 Kernel families: ``kvcache`` (``tvmkv.tir.kernel_set``, what every cache loads) and families that
 are compiled lazily by the features that use them, into artifacts of their own named
