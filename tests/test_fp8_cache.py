@@ -147,6 +147,10 @@ def test_fp8_scales_are_validated_and_refusals_change_nothing(rng):
         ((0, 1e-45, 1.0), ValueError, "smallest normal"),
         ((0, 1e39, 1.0), ValueError, "float32's largest"),
         ((0, "big", 1.0), TypeError, "k_scale"),
+        ((0, "0.5", 1.0), TypeError, "k_scale='0.5'"),  # a numeric string is not parsed
+        ((0, None, 1.0), TypeError, "k_scale=None"),  # not turned into a NaN the caller never passed
+        ((0, 1.0, [1.0, None]), TypeError, "v_scale"),
+        ((0, True, 1.0), TypeError, "k_scale=True"),
         ((2, 1.0, 1.0), ValueError, "out of range"),
     ]
     for args, err, match in bad:
@@ -171,6 +175,8 @@ def test_fp8_scales_are_validated_and_refusals_change_nothing(rng):
         _cache("llvm", "float8_e4m3fn", kv_scales=np.ones((3, 2)))
     with pytest.raises(ValueError, match=r"kv_scales\[1, 0\]"):
         _cache("llvm", "float8_e4m3fn", kv_scales=np.r_[np.ones((1, 2, HKV)), [[[0.0, 1.0], [1.0, 1.0]]]])
+    with pytest.raises(TypeError, match="kv_scales=.* is not an array of floats"):  # not a table with a NaN
+        _cache("llvm", "float8_e4m3fn", kv_scales=[[[1.0, None], [1.0, 1.0]]])
     with pytest.raises(ValueError, match="kv_dtype='int8' is not supported"):
         _cache("llvm", "int8")
     with pytest.raises(ValueError, match="16-bit activations"):

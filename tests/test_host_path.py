@@ -283,3 +283,43 @@ def test_decode_splits_option_is_validated():
     for bad in (0, -2, 2.5, True, "4"):
         with pytest.raises(ValueError, match="decode_splits"):
             PagedAttentionKVCache(1, 4, 2, 64, dtype="float32", decode_splits=bad)
+
+
+def test_begin_forward_reads_a_one_shot_batch_once():
+    """A batch given as iterators (read once), tuples or arrays is planned as the same lists are, also
+    where the cache keeps a repeat-decode plan from the steps before (``plan.RepeatDecode``): that plan
+    used to read the iterators itself and, declining the step, leave the general path an empty batch.
+    Oracle: the sequences' lengths and the step's query positions, counted here."""
+    cache = PagedAttentionKVCache(
+        1, 2, 2, 16, page_size=4, max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=32,
+        dtype="float32", num_pages=32,
+    )  # fmt: skip
+    lengths = {0: 0, 1: 0}
+    for s in lengths:
+        cache.add_sequence(s)
+
+    def step(ids, lens, want_ids, want_lens):
+        cache.begin_forward(ids, lens)
+        want_pos = np.concatenate([np.arange(lengths[s], lengths[s] + n) for s, n in zip(want_ids, want_lens)])
+        np.testing.assert_array_equal(cache.debug_forward().arrays["q_pos"], want_pos)
+        repeated = cache.debug_forward().repeated
+        cache.end_forward()
+        for s, n in zip(want_ids, want_lens):
+            lengths[s] += n
+            assert cache.sequence_length(s) == lengths[s]
+        return repeated
+
+    step(iter([0, 1]), iter([3, 4]), [0, 1], [3, 4])
+    for _ in range(2):  # (the first decode after a prefill is planned anew; the next keeps its plan)
+        step([0, 1], [1, 1], [0, 1], [1, 1])
+    assert step([0, 1], [1, 1], [0, 1], [1, 1])  # a kept plan from here on
+    step(iter([0, 1]), iter([5, 5]), [0, 1], [5, 5])  # declined by the kept plan: a prefill
+    step((1, 0), np.array([1, 1]), [1, 0], [1, 1])
+    assert step(iter([1, 0]), (n for n in (1, 1)), [1, 0], [1, 1])  # taken by the kept plan
+    with pytest.raises(TypeError, match="takes a list of sequence ids"):  # named, with a plan kept too
+        cache.begin_forward(1, [1])
+    with pytest.raises(TypeError, match="append_lengths must be a list of ints"):
+        cache.begin_forward([1, 0], 1)
+    assert [cache.sequence_length(s) for s in (0, 1)] == [lengths[0], lengths[1]]
+    assert step([1, 0], [1, 1], [1, 0], [1, 1])  # the kept plan survived the refusals
+    cache.check_integrity()

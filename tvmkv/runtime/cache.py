@@ -526,6 +526,10 @@ class PagedAttentionKVCache:
         """
         if self._fwd is not None:
             raise ForwardStateError("begin_forward called while a forward is open; call end_forward first")
+        if type(seq_ids) is not list:  # read once, here: a one-shot iterator serves both paths below
+            seq_ids = _id_list(seq_ids, "begin_forward")
+        if type(append_lengths) is not list:
+            append_lengths = _int_list(append_lengths, "append_lengths")
         R, ib = self._repeat, self._index
         if R is not None and token_tree_parent_ptr is None and R.advance(seq_ids, append_lengths):
             # the decode fast path: the last decode step's plan, advanced in place (plan.RepeatDecode),

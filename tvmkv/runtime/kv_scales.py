@@ -74,10 +74,7 @@ class KvScales:
     def row(self, value, name: str) -> np.ndarray:
         """``value`` (a float or ``[H_kv]`` of them) as float32 ``[H_kv]``: positive, finite, normal."""
         H = self.config.num_kv_heads
-        try:
-            row = np.asarray(value, np.float64)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"{name}={value!r} is not a float or an array of {H} floats") from err
+        row = _float64(value, f"{name}={value!r} is not a float or an array of {H} floats")
         if row.ndim == 0:
             row = np.full(H, float(row))
         if row.shape != (H,):
@@ -100,10 +97,7 @@ class KvScales:
         """``value``, ``[num_layers, 2, H_kv]`` or one ``[2, H_kv]`` for every layer, as float32
         ``[num_layers, 2, H_kv]`` (each row checked by :meth:`row`)."""
         cfg = self.config
-        try:
-            arr = np.asarray(value, np.float64)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"{name}={value!r} is not an array of floats") from err
+        arr = _float64(value, f"{name}={value!r} is not an array of floats")
         want = ((cfg.num_layers, 2, cfg.num_kv_heads), (2, cfg.num_kv_heads))
         if arr.shape not in want:
             raise ValueError(
@@ -179,3 +173,18 @@ class KvScales:
         layers must re-encode them when their scales grow, so from now on their scales only grow (an
         import into a fresh calibrating cache keeps its scales at 1.0 or above)."""
         self._stored = [True] * len(self._stored)
+
+
+def _float64(value, message: str) -> np.ndarray:
+    """``value`` as a float64 array; TypeError(``message``) for what is not numbers: None (which
+    ``np.asarray(..., float64)`` would turn into NaN), strings (which it would parse), bools, objects."""
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as err:
+        raise TypeError(message) from err
+    if arr.dtype.kind in "OUSb":
+        raise TypeError(message)
+    try:
+        return arr.astype(np.float64)
+    except (TypeError, ValueError) as err:
+        raise TypeError(message) from err
