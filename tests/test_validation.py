@@ -192,6 +192,56 @@ def test_schedule_with_an_open_forward_changes_nothing(cache):
         cache.end_forward()
 
 
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_schedule_that_could_only_preempt_in_vain_changes_nothing(cache, preemption):
+    """Pages held outside the scheduler leave its one running sequence no page to grow into: preempting
+    that sequence (swapping it out, or dropping its K/V to recompute) would free only the pages it needs
+    back, so schedule() raises before preempting anything, and the sequence runs once pages are free.
+    A second request waiting behind it changes nothing (in recompute mode it is younger, so second in
+    line; in swap mode nothing is admitted while a sequence is swapped out)."""
+    outside = 100
+    cache.add_sequence(outside)
+    run_forward(cache, [outside], [4 * PAGE])  # 4 of the 8 pages, not the scheduler's
+    sched = Scheduler(cache, preemption=preemption)
+    sched.add_request(0, 4 * PAGE)  # the other 4: its next token needs a fifth
+    plan = sched.schedule()
+    run_forward(cache, plan.seq_ids, plan.lengths)
+    sched.step_done(plan)
+    sched.add_request(1, 2)
+    before = snapshot(cache, sched)
+    assert before["free"] == 0 and before["queues"][RUNNING] == [0]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="nothing can be scheduled.*not manage"):
+            sched.schedule()
+        assert snapshot(cache, sched) == before  # not swapped out, K/V not dropped
+    cache.remove_sequence(outside)
+    plan = sched.schedule()
+    assert plan.seq_ids == [0, 1] and plan.lengths == [1, 2] and not plan.preempted
+    assert cache.sequence_length(0) == 4 * PAGE
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda c: c.commit_accepted_token_tree_nodes([0], 1), "leaf_indices must be a list of ints, not int"),
+        (lambda c: c.commit_accepted_token_tree_nodes(0, [1]), "commit_accepted_token_tree_nodes takes a list"),
+        (lambda c: c.begin_forward([0], [1], -1), "token_tree_parent_ptr must be a list of ints, not int"),
+        (lambda c: c.begin_forward(0, [1]), "begin_forward takes a list of sequence ids, not int"),
+        (lambda c: c.add_sequence_with_pages(9, 3, 4), "pages must be a list of ints, not int"),
+    ],
+)
+def test_a_number_where_a_list_belongs_is_named(cache, call, words):
+    """One int where the API takes a list: a TypeError naming the argument and showing the list form
+    (not Python's bare "'int' object is not iterable"), and the cache as it was."""
+    cache.add_sequence(0)
+    run_forward(cache, [0], [3])
+    before = (cache.sequence_ids(), cache.sequence_length(0), cache.num_available_pages(), cache.forward_open)
+    with pytest.raises(TypeError, match=words):
+        call(cache)
+    assert (cache.sequence_ids(), cache.sequence_length(0), cache.num_available_pages(), cache.forward_open) == before
+    cache.check_integrity()
+
+
 def test_a_plan_is_completed_once(cache):
     """step_done twice for one plan raises and counts nothing (the cache holds 5 tokens, the
     scheduler too); so does a plan superseded by a later schedule()."""

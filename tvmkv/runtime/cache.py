@@ -406,7 +406,7 @@ class PagedAttentionKVCache:
         seq_id = self._table.check_new(seq_id)
         self.require_no_forward("add_sequence_with_pages")
         length = as_int(length, "length")
-        pages = [as_int(p, "pages[i]") for p in pages]
+        pages = [as_int(p, "pages[i]") for p in _int_list(pages, "pages")]
         P, total = self.config.page_size, self.config.total_pages
         if length < 0 or len(pages) != -(-length // P):
             raise ValueError(f"{len(pages)} pages cannot hold length {length}; pass ceil(length / {P}) pages")
@@ -1081,9 +1081,9 @@ class PagedAttentionKVCache:
         if scope not in ("tree", "last_forward"):
             raise ValueError(f"scope={scope!r} must be 'tree' or 'last_forward'")
         self.require_no_forward("commit_accepted_token_tree_nodes")
-        seq_ids = [check_id(s, "seq_ids[i]") for s in seq_ids]
+        seq_ids = [check_id(s, "seq_ids[i]") for s in _id_list(seq_ids, "commit_accepted_token_tree_nodes")]
         seqs = [self._table.get(s) for s in seq_ids]
-        leaves = [as_int(x, "leaf_indices[i]") for x in leaf_indices]
+        leaves = [as_int(x, "leaf_indices[i]") for x in _int_list(leaf_indices, "leaf_indices")]
         if len(leaves) != len(seq_ids):
             raise ValueError(f"leaf_indices has {len(leaves)} entries for {len(seq_ids)} seq_ids")
         if len(set(seq_ids)) != len(seq_ids):
@@ -1506,7 +1506,7 @@ class PagedAttentionKVCache:
 
     def _check_tree(self, seq_ids, seqs, lengths, parent_ptr):
         """Validate parent pointers; return per sequence (new parents, new depths)."""
-        parent_ptr = [as_int(p, "token_tree_parent_ptr[i]") for p in parent_ptr]
+        parent_ptr = [as_int(p, "token_tree_parent_ptr[i]") for p in _int_list(parent_ptr, "token_tree_parent_ptr")]
         if len(parent_ptr) != sum(lengths):
             raise ValueError(
                 f"token_tree_parent_ptr has {len(parent_ptr)} entries but the forward appends {sum(lengths)} tokens"

@@ -399,6 +399,8 @@ class Scheduler:
                 reserved += whole - need
                 budget -= n
                 slots -= 1
+        if not chosen and victims and prefix is None and not self._retry_runs(victims, available()):
+            raise self._nothing_to_run()  # before the preemptions: planning again could run nothing either
         plan = self._apply(chosen, victims, swap_in, admit)
         if not plan.parts and plan.preempted:
             # only preemptions (the newest running sequence preempted itself): plan again with what
@@ -407,12 +409,7 @@ class Scheduler:
             again.preempted[:0] = plan.preempted
             return again
         if not plan.parts:
-            raise RuntimeError(
-                "nothing can be scheduled: "
-                f"{len(self.queues[WAITING])} waiting, {len(self.queues[RUNNING])} running, "
-                f"{len(self.queues[SWAPPED])} swapped, {self._free_pages()} pages free or evictable of "
-                f"{self.total_pages}; pages may be held by sequences this scheduler does not manage"
-            )
+            raise self._nothing_to_run()
         self.stats.steps += 1
         self._open = plan
         return plan
@@ -510,6 +507,30 @@ class Scheduler:
         evictable = self.prefix_cache.num_evictable_pages() if self.prefix_cache is not None else 0
         return self.cache.num_available_pages() + evictable
 
+    def _nothing_to_run(self) -> RuntimeError:
+        return RuntimeError(
+            "nothing can be scheduled: "
+            f"{len(self.queues[WAITING])} waiting, {len(self.queues[RUNNING])} running, "
+            f"{len(self.queues[SWAPPED])} swapped, {self._free_pages()} pages free or evictable of "
+            f"{self.total_pages}; pages may be held by sequences this scheduler does not manage"
+        )
+
+    def _retry_runs(self, victims: list, free_after: int) -> bool:
+        """Whether a step that would only preempt ``victims`` lets the planning that follows it run
+        something, with ``free_after`` pages free once they left (no prefix cache: the count is exact).
+        That planning takes the sequence first in line or nothing: in swap mode the oldest swapped one
+        (the victims join that queue), in recompute mode the oldest waiting one (they rejoin it from
+        scratch)."""
+        P, cache = self.page_size, self.cache
+        if self.preemption == "swap":
+            first = min([*self.queues[SWAPPED], *victims], key=_arrival)
+            n = min(first.pending, self.token_budget)
+            if first in victims:  # swap_in brings back all of its tokens' pages, then room for n
+                return -(-(cache.sequence_length(first.seq_id) + n) // P) <= free_after
+            return cache.num_pages_needed(first.seq_id, n) <= free_after
+        first = min([*self.queues[WAITING], *victims], key=_arrival)
+        return -(-first.num_tokens // P) + self.watermark_pages <= free_after
+
     def _apply(self, chosen, victims, swap_in, admit) -> StepPlan:
         plan = StepPlan()
         if victims:
@@ -573,6 +594,10 @@ class Scheduler:
         self.seqs[st.seq_id] = st
         queue = self.queues[status]
         queue.insert(bisect.bisect(queue, st.arrival, key=lambda s: s.arrival), st)
+
+
+def _arrival(st: SeqState) -> int:
+    return st.arrival
 
 
 def _int_in(value, name: str, lo: int, hi: int, *, meaning: str) -> int:
