@@ -583,13 +583,13 @@ def _build(key: BuildKey, build_dir, *, force: bool, verbose: bool) -> tuple:
 
 
 def _compile_artifact(key: BuildKey, out: Path, lib_path: Path, man_path: Path, *, verbose: bool) -> tuple:
+    # (under _build's lock, which made ``out``)
     t0 = time.time()
     funcs = family_kernels(key)
     if verbose:
         print(f"[tvmkv build] compiling {key.target_dir}/{key.name} ({len(funcs)} kernels)", file=sys.stderr)
     module = compile_funcs(funcs, key.spec.target_kind, key.arch)
     t_compile = time.time() - t0
-    out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{key.name}.tmp{os.getpid()}.so"
     try:
         device_format = export_module(module, tmp, key.spec.target_kind, key.arch)

@@ -593,7 +593,7 @@ class Scheduler:
         st.status = status
         self.seqs[st.seq_id] = st
         queue = self.queues[status]
-        queue.insert(bisect.bisect(queue, st.arrival, key=lambda s: s.arrival), st)
+        queue.insert(bisect.bisect(queue, st.arrival, key=_arrival), st)
 
 
 def _arrival(st: SeqState) -> int:
