@@ -407,6 +407,56 @@ def test_a_session_left_to_the_collector_does_not_hang_another(tmp_path):
     assert "collected True" in done.stdout, done.stdout
 
 
+def test_a_cache_collected_on_worker_0_does_not_hang_the_next_call(tmp_path):
+    """A DiscoKVCache left in a reference cycle (as a traceback's frames leave one) and collected on worker
+    0's thread (a thread of this process) while that worker runs a function and the controller sends its
+    next call. Releasing the cache's DRef there sent Disco's free-register message from that thread while
+    the controller wrote its own, Disco's channels take one writer at a time, and the controller then
+    waited forever for a reply (the hang pytest-xdist runs met in test_diverged_digests_name_the_worker:
+    before the fix this loop hung within 40-480 rounds, 3 runs of 3). Now finalizers hand the DRef to the
+    session, whose next call releases it. Worker 0 collects at the start of every create (its global
+    function wrapped here; worker 1 runs its own); in a subprocess, so that a hang is a timeout here."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "collect_on_worker0.py"
+    script.write_text(
+        "import gc, threading, weakref\n"
+        "from tvm_ffi import get_global_func, register_global_func\n"
+        "from tvmkv import disco\n"
+        "from tvmkv.disco import worker\n"
+        "from tvmkv.testing import cache_kwargs\n"
+        "shape = cache_kwargs()\n"
+        "kw = {k: v for k, v in shape.items() if k not in ('num_layers', 'num_qo_heads', 'num_kv_heads', 'head_dim')}\n"
+        "s = disco.TvmkvSession(2)\n"
+        "create = get_global_func(worker.CREATE)\n"
+        "register_global_func(worker.CREATE, lambda spec: (gc.collect(0), create(spec))[1], override=True)\n"
+        "main, elsewhere = threading.get_ident(), []\n"
+        "gc.disable()\n"
+        "for i in range(600):\n"
+        "    a = disco.DiscoKVCache(s, shape['num_layers'], 8, 2, 64, **kw)\n"
+        "    a.add_sequence(1)\n"
+        "    weakref.finalize(a, lambda: elsewhere.append(threading.get_ident() != main))\n"
+        "    cycle = [a]\n"
+        "    cycle.append(cycle)\n"
+        "    del a, cycle\n"
+        "    b = disco.DiscoKVCache(s, shape['num_layers'], 8, 2, 64, **kw)\n"
+        "    b.add_sequence(2)\n"
+        "    b.check_integrity()\n"
+        "    del b\n"
+        "gc.enable()\n"
+        "print('finalized on worker 0:', sum(elsewhere), 'of', len(elsewhere), flush=True)\n"
+        "s.shutdown()\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a call hung after a cache was collected on worker 0's thread")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "finalized on worker 0: 600 of 600" in done.stdout, done.stdout
+
+
 def test_a_refused_create_does_not_keep_the_session_alive():
     """from_handle raising inside ``with``: no DRef in the traceback keeps the workers running."""
     import warnings

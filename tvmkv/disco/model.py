@@ -115,6 +115,13 @@ class DiscoLlama:
         """Drop the workers' module and weights (:meth:`TvmkvSession.shutdown` does this)."""
         self.module = self.params = self._forward = None
 
+    def __del__(self):
+        # dropped without close(): its DRefs go at the session's next call (TvmkvSession.release_later)
+        held = [d for d in (getattr(self, name, None) for name in ("module", "params", "_forward")) if d is not None]
+        if held:
+            self.module = self.params = self._forward = None
+            self.session.release_later(*held)
+
     def create_paged_kv_cache(
         self, *, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window=0
     ):

@@ -134,6 +134,8 @@ class TvmkvSession:
         self.holders: weakref.WeakSet = weakref.WeakSet()
         self.ccl = ""  # the collective backend once set up ("gloo")
         self._worker0_thread = None
+        # DRefs that finalizers handed over (release_later): released by the next call, on the thread making calls
+        self._later: list = []
         _OPEN.add(self)  # until shutdown(): never finalized by the collector, stopped at exit at the latest
         # each worker learns its group (worker.stage()); worker 0 is a thread of this process
         self._worker0_thread = int(self.fetch(self.call(W.SET_GROUPS, num_groups)))
@@ -153,8 +155,10 @@ class TvmkvSession:
         except TypeError as err:
             raise TypeError(f"install_tvm_override options must be plain values: {err}") from None
         result = self.call(W.INSTALL_OVERRIDE, text)
-        for w in range(self.num_workers):
-            raise_error(str(self.fetch(result, w)), w)
+        texts = [str(self.fetch(result, w)) for w in range(self.num_workers)]
+        del result  # no DRef in the traceback of what is raised below (see release_later)
+        for w, text in enumerate(texts):
+            raise_error(text, w)
 
     def init_nccl(self, device_ids=None) -> None:
         """Create the NCCL communicators (the session was started with ``nccl_plugin``): worker ``i`` on
@@ -184,8 +188,9 @@ class TvmkvSession:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         result = self.call(gloo.INIT, f"tcp://127.0.0.1:{port}")
-        for w in range(self.num_workers):
-            problem = str(self.fetch(result, w))
+        problems = [str(self.fetch(result, w)) for w in range(self.num_workers)]
+        del result  # no DRef in the traceback of what is raised below (see release_later)
+        for w, problem in enumerate(problems):
             if problem:
                 raise RuntimeError(f"worker {w} could not join the gloo group: {problem}")
         self.ccl = "gloo"
@@ -196,8 +201,10 @@ class TvmkvSession:
         last check: a worker keeps the first such error instead of raising it, which would end the worker
         (and worker 0's this process). The cache is as it was before the failed call."""
         ref = self.call(W.TAKE_ERROR)
-        for w in range(self.num_workers):
-            raise_error(str(self.fetch(ref, w)), w)
+        texts = [str(self.fetch(ref, w)) for w in range(self.num_workers)]
+        del ref  # no DRef in the traceback of what is raised below (see release_later)
+        for w, text in enumerate(texts):
+            raise_error(text, w)
 
     def check_workers(self) -> None:
         """Raise :class:`WorkerDiedError` when a worker process has exited."""
@@ -206,9 +213,27 @@ class TvmkvSession:
         self.pool.check()
 
     def call(self, name: str, *args):
-        """Call global function ``name`` on every worker (after :meth:`check_workers`); returns the DRef."""
+        """Call global function ``name`` on every worker (after :meth:`check_workers`); returns the DRef.
+        The DRefs handed to :meth:`release_later` since the last call are released first, here."""
         self.check_workers()
+        if self._later:
+            self._release_held()
         return self.session.get_global_func(name)(*args)
+
+    def release_later(self, *drefs) -> None:
+        """Keep ``drefs`` until this session's next :meth:`call` (or :meth:`shutdown`), which releases them.
+
+        For finalizers (``__del__``) of objects that hold DRefs. Releasing a DRef sends a message to every
+        worker, and Disco's channels take messages from one thread at a time. The collector runs finalizers
+        on whichever thread allocates: worker 0's (a thread of this process, running a worker function
+        while the controller sends its next call) or any other. A DRef released there can corrupt the
+        controller's message in flight, and the next reply never comes (the controller hangs). Handed
+        here, the DRef is released on the thread that makes calls, between two of them."""
+        self._later.extend(drefs)  # one list operation: atomic under the GIL, whichever thread runs it
+
+    def _release_held(self) -> None:
+        while self._later:
+            self._later.pop()
 
     def fetch(self, dref, worker: int = 0):
         """The value ``dref`` holds on ``worker`` (waits for it); a worker that died meanwhile raises
@@ -236,6 +261,7 @@ class TvmkvSession:
 
         for holder in list(self.holders):
             holder.close()  # drops its DRefs: Disco ends the session when the last one goes
+        self._release_held()
         if self.ccl == "gloo":
             from . import gloo
 
@@ -250,6 +276,7 @@ class TvmkvSession:
         if isinstance(cached, dict):
             cached.clear()
         gc.collect()  # DRefs held only by reference cycles (tracebacks) keep the session alive
+        self._release_held()  # what the collection's finalizers handed over
         # worker 0 is a thread of this process that frees the registers of dropped DRefs, Python objects
         # among them (the cache shards), which takes the GIL; Disco's destructor joins that thread while
         # this thread holds the GIL, so let it finish its queue first (else the two wait on each other)
@@ -481,6 +508,14 @@ class DiscoKVCache:
     def close(self) -> None:
         """Drop the shards (:meth:`TvmkvSession.shutdown` does this); the cache cannot be used after."""
         self.handle = None
+
+    def __del__(self):
+        # a cache dropped without close() frees its shards at the session's next call, not on the thread that
+        # happens to finalize it (TvmkvSession.release_later says why)
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            self.handle = None
+            self.session.release_later(handle)
 
     def _handle(self):
         if self.handle is None:
