@@ -213,3 +213,89 @@ def test_read_only_out_is_rejected_before_anything_runs():
     k_after, _ = cache.debug_get_kv(0, 0, 3)
     np.testing.assert_array_equal(k_after, k_before)  # nothing was appended for the rejected call
     assert not out.any()
+
+
+def _state(cache):
+    """What a refused call must leave as it was: sequences, free pages and the page tables' digest."""
+    return cache.sequence_ids(), cache.num_available_pages(), cache.table_digest()
+
+
+def test_import_sequence_into_an_id_a_pending_import_reserved_changes_nothing():
+    """import_sequence into an id that prepare_import reserved raised KeyError only after allocating and
+    writing its pages, which then leaked (2 of 24 pages lost, check_integrity failing)."""
+    from tvmkv.runtime import checkpoint
+
+    rng = np.random.default_rng(2)
+    cache = _cache(num_pages=24)
+    cache.add_sequence(0)
+    _prefill(cache, 0, 6, rng)
+    saved = checkpoint.export_checkpoint(cache, 0)
+    data = rng.standard_normal((1, 2, 6, H_KV, D)).astype(np.float32)
+    checkpoint.prepare_import(cache, 5, saved.metadata)
+    before = _state(cache)
+    with pytest.raises(KeyError, match="sequence 5 is already being imported"):
+        interop.import_sequence(cache, 5, data, "contiguous")
+    assert _state(cache) == before
+    cache.check_integrity()
+    checkpoint.abort_import(cache, 5)
+    cache.remove_sequence(0)
+    assert cache.num_available_pages() == 24
+
+
+def test_an_aborted_import_leaves_the_free_list_as_it_was():
+    """import_checkpoint with a forward open reserved and copied every group, then failed in
+    finish_import; the abort gave the pages back in another order, so the next allocations (and the
+    digest the tensor-parallel shards compare) differed. It now raises first, and an abort restores the
+    free list's order."""
+    from tvmkv.runtime import checkpoint
+
+    rng = np.random.default_rng(3)
+    cache = _cache(num_pages=24)
+    cache.add_sequence(0)
+    _prefill(cache, 0, 6, rng)
+    saved = checkpoint.export_checkpoint(cache, 0)
+    cache.begin_forward([0], [1])
+    before = _state(cache)
+    with pytest.raises(tvmkv.ForwardStateError, match="import_checkpoint"):
+        checkpoint.import_checkpoint(cache, 4, saved)
+    assert _state(cache) == before
+    cache.end_forward()
+    before = _state(cache)
+    checkpoint.prepare_import(cache, 4, saved.metadata)  # reserves 2 pages
+    checkpoint.abort_import(cache, 4)
+    assert _state(cache) == before
+
+
+def test_store_kv_refuses_pages_only_the_prefix_cache_holds():
+    """A page the prefix cache alone holds has ref count 1, as a sequence's own page has; store_kv wrote
+    into it, and the next request reusing that prefix read the overwritten K (NumPy: what was prefilled)."""
+    rng = np.random.default_rng(4)
+    cache = _cache(num_pages=16)
+    prefix = tvmkv.RadixPrefixCache(cache)
+    prompt = list(range(1, 10))
+    cache.add_sequence(0)
+    qkv = _prefill(cache, 0, len(prompt), rng)
+    page = cache.sequence_pages(0)[0]
+    prefix.finish_sequence(0, prompt)  # the tree now holds the pages; no sequence does
+    zeros = np.zeros((1, H_KV, D), np.float32)
+    with pytest.raises(ValueError, match=f"page {page}, which no sequence holds"):
+        interop.store_kv(cache, 0, zeros, zeros, [page * P])
+    reused = prefix.add_sequence_with_prefix(1, prompt + [10])
+    k, _ = cache.debug_get_kv(1)
+    np.testing.assert_array_equal(k[0, :reused], qkv[:reused, H_QO : H_QO + H_KV])
+    # a sequence's own unshared page is still writable
+    cache.add_sequence(2)
+    _prefill(cache, 2, 2, rng)
+    own = cache.sequence_pages(2)[0]
+    interop.store_kv(cache, 0, zeros + 1, zeros + 1, [own * P + 1])
+    assert (cache.debug_get_kv(2)[0][0, 1] == 1).all()
+
+
+def test_store_kv_refuses_uint64_slots_beyond_int64():
+    """A uint64 slot >= 2**63 wrapped negative on the way to int64, which means 'skip this token': the
+    write silently did nothing."""
+    cache = _cache()
+    zeros = np.zeros((1, H_KV, D), np.float32)
+    for slot in (2**63, 2**64 - 1):
+        with pytest.raises(ValueError, match=r"slot_mapping\[0\] = \d+ is out of range"):
+            interop.store_kv(cache, 0, zeros, zeros, np.array([slot], np.uint64))

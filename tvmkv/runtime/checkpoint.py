@@ -197,7 +197,9 @@ class ImportReservations:
         if self.pending.get(rec.seq_id) is rec:
             del self.pending[rec.seq_id]
             cache.release_sequence_id(rec.seq_id)
-            cache.pool.release(rec.pages)
+            # in reverse: the free list gets them back in the order alloc took them, so an import that was
+            # aborted leaves the pool as it found it (the next allocations hand out the same pages)
+            cache.pool.release(rec.pages[::-1])
 
 
 def check_new_id(cache, seq_id, what: str) -> int:
@@ -733,7 +735,9 @@ def import_checkpoint(cache, seq_id, checkpoint: Checkpoint) -> None:
 
     fp8 pages: a cache holding no token takes the checkpoint's scales first (``set_kv_scales``: the
     codes are restored exactly, and a calibration ends), once every part of the checkpoint has been
-    checked; a cache holding tokens keeps its scales and re-encodes the codes."""
+    checked; a cache holding tokens keeps its scales and re-encodes the codes. No forward may be open
+    (raised before anything is reserved or copied)."""
+    cache.require_no_forward("import_checkpoint")
     check_new_id(cache, seq_id, "import_checkpoint")
     n = _check_metadata(cache, checkpoint.metadata)
     if len(checkpoint.groups) != cache.config.num_layers:

@@ -35,6 +35,7 @@ from ..errors import OutOfPagesError
 from ..tir import LAYOUTS
 from ..tir import foreign_shape as _foreign_shape
 from . import tensors
+from .checkpoint import check_new_id, pending_imports
 from .sequences import as_int, check_id
 
 ARRAY_KINDS = ("numpy", "torch", "tvm")
@@ -130,6 +131,9 @@ def _host_ints(x, name: str, ndim: int) -> np.ndarray:
         raise TypeError(f"{name} has dtype {arr.dtype}; pass an integer (int32/int64) array")
     if arr.ndim != ndim:
         raise ValueError(f"{name} has shape {arr.shape}; expected a {ndim}-d array")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))  # (int64 would wrap it negative: a skipped token)
+        raise ValueError(f"{name}[{i}] = {int(arr.flat[i])} is out of range; entries must fit int64")
     return arr.astype(np.int64)
 
 
@@ -382,8 +386,9 @@ def store_kv(cache, layer, k, v, slot_mapping) -> None:
     k, v : [n, H_kv, D], the cache dtype (NumPy, torch or tvm on the cache's device)
     slot_mapping : [n] int
         Slots in ``[0, num_pages * P)`` or negative. Each non-negative slot at most once, in a page
-        some sequence holds (ref count >= 1) and no other holds (ref count 1, so a shared page is
-        never changed behind a fork's back).
+        of a resident sequence's page table that nothing else holds (ref count 1, so a shared page is
+        never changed behind a fork's back, nor a prefix the prefix cache alone keeps, nor the pages a
+        pending import reserved).
     """
     cfg = cache.config
     layer = _layer(cache, layer)
@@ -417,6 +422,18 @@ def store_kv(cache, layer, k, v, slot_mapping) -> None:
             else f"{r} page tables share it (fork / prefix sharing); writing would change all of them"
         )
         raise ValueError(f"slot {s} is in page {s // P}, but {why}")
+    # ref count 1 is not enough where the prefix cache or a pending import may be that one holder
+    if len(live) and (cache.pool.holders or pending_imports(cache)):
+        touched = np.unique(live // P)
+        held = [cache.sequence_pages(sid) for sid in cache.sequence_ids()]
+        outside = touched[~np.isin(touched, np.concatenate(held))] if held else touched
+        if len(outside):
+            page = int(outside[0])
+            s = int(live[np.argmax(live // P == page)])
+            raise ValueError(
+                f"slot {s} is in page {page}, which no sequence holds (the prefix cache or a pending import "
+                "does); write only into pages of your sequences (slot_mapping, begin_forward)"
+            )
     # ---- validated
     if not len(live):
         return
@@ -583,12 +600,8 @@ def import_sequence(cache, seq_id, data, layout: str, *, num_tokens=None, block_
     cache.require_no_forward("import_sequence")
     seq_id = check_id(seq_id)
     new = seq_id not in cache.sequence_ids()
-    if new:
-        if seq_id in cache.swapped_sequence_ids():
-            raise KeyError(
-                f"seq_id {seq_id} is already in the cache (swapped out); import into a new id, or "
-                f"remove_sequence({seq_id}) first"
-            )
+    if new:  # not swapped out, not reserved by a pending import (prepare_import / prepare_receive) either
+        check_new_id(cache, seq_id, "import_sequence")
     else:
         seq = cache.sequence_info(seq_id)
         if seq.kv_len or seq.pages or seq.window or seq.num_tree_nodes:
@@ -631,13 +644,11 @@ def import_sequence(cache, seq_id, data, layout: str, *, num_tokens=None, block_
             extra = () if layout == "contiguous" else (_dev_ints(cache, blocks),)
             for layer in range(cfg.num_layers):
                 kern(cache.pages[layer], page_ids, src, *extra, layer)  # type: ignore[misc]  # set when m
-    except BaseException:
-        cache.pool.release(pages)
-        raise
-    if not new:
-        cache.remove_sequence(seq_id)  # empty, no window, no tree: re-added below over the pages
-    cache.add_sequence_with_pages(seq_id, pages, n)  # one more reference each ...
-    cache.pool.release(pages)  # ... replaces the allocation's
+        if not new:
+            cache.remove_sequence(seq_id)  # empty, no window, no tree: re-added below over the pages
+        cache.add_sequence_with_pages(seq_id, pages, n)  # one more reference each ...
+    finally:  # ... replaces the allocation's (or frees the pages, in the order alloc took them, on failure)
+        cache.pool.release(pages[::-1])
 
 
 # ---------------------------------------------------------------------------------------------- zero-copy views
