@@ -229,7 +229,8 @@ class TvmkvSession:
         while the controller sends its next call) or any other. A DRef released there can corrupt the
         controller's message in flight, and the next reply never comes (the controller hangs). Handed
         here, the DRef is released on the thread that makes calls, between two of them."""
-        self._later.extend(drefs)  # one list operation: atomic under the GIL, whichever thread runs it
+        if self.session is not None:  # (after shutdown they go now: no call would come to release them)
+            self._later.extend(drefs)  # one list operation: atomic under the GIL, whichever thread runs it
 
     def _release_held(self) -> None:
         while self._later:
