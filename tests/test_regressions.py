@@ -299,3 +299,56 @@ def test_store_kv_refuses_uint64_slots_beyond_int64():
     for slot in (2**63, 2**64 - 1):
         with pytest.raises(ValueError, match=r"slot_mapping\[0\] = \d+ is out of range"):
             interop.store_kv(cache, 0, zeros, zeros, np.array([slot], np.uint64))
+
+
+def test_misaligned_tvm_tensors_are_copied_not_read_in_place():
+    """A NumPy array handed to a TVM global function reaches the cache as a tvm tensor over the same
+    memory, which need not be 64-byte aligned; the kernels' vector loads assumed alignment and the
+    process died (SIGSEGV) where TVM's own cache computes the call. qkv, out and merge's in-place o
+    4 bytes off a 64-byte boundary, against NumPy; in a subprocess, so a crash is a failure here."""
+    script = textwrap.dedent(
+        """
+        import numpy as np, tvmkv
+        from tvm_ffi import get_global_func, register_global_func
+        H_QO, H_KV, D, P = 4, 2, 16, 4
+        got = []
+        register_global_func("tvmkv_test.keep", lambda x: got.append(x) or 0, override=True)
+        def as_tvm(a):  # what a TVM global function receives for a NumPy array: a tvm tensor, zero-copy
+            get_global_func("tvmkv_test.keep")(a)
+            return got.pop()
+        def misaligned(shape, rng):
+            n = int(np.prod(shape)) * 4
+            raw = np.zeros(n + 128, np.uint8)
+            s = (-raw.ctypes.data) % 64 + 4
+            a = raw[s : s + n].view(np.float32).reshape(shape)
+            a[...] = rng.standard_normal(shape)
+            return a
+        rng = np.random.default_rng(0)
+        cache = tvmkv.PagedAttentionKVCache(1, H_QO, H_KV, D, page_size=P, max_batch_size=2, max_total_seq_len=32,
+                                            prefill_chunk_size=16, dtype="float32")
+        cache.add_sequence(0)
+        first = rng.standard_normal((5, H_QO + 2 * H_KV, D)).astype(np.float32)
+        cache.begin_forward([0], [5]); cache.attention_with_fused_qkv(0, first); cache.end_forward()
+        qkv = misaligned((1, H_QO + 2 * H_KV, D), rng)
+        out = misaligned((1, H_QO, D), rng)
+        t_qkv, t_out = as_tvm(qkv), as_tvm(out)
+        assert t_qkv.data_ptr() % 64 == 4 and t_out.data_ptr() % 64 == 4
+        cache.begin_forward([0], [1]); cache.attention_with_fused_qkv(0, t_qkv, out=t_out); cache.end_forward()
+        k = np.concatenate([first[:, H_QO : H_QO + H_KV], qkv[:, H_QO : H_QO + H_KV]]).astype(np.float64)
+        v = np.concatenate([first[:, H_QO + H_KV :], qkv[:, H_QO + H_KV :]]).astype(np.float64)
+        for h in range(H_QO):
+            s = k[:, h // 2] @ qkv[0, h].astype(np.float64) * D**-0.5
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(out[0, h], p @ v[:, h // 2] / p.sum(), atol=1e-5)
+        o, lse = misaligned((3, H_QO, D), rng), misaligned((3, H_QO), rng)
+        ob, lb = rng.standard_normal((3, H_QO, D)).astype(np.float32), rng.standard_normal((3, H_QO)).astype(np.float32)
+        m = np.maximum(lse, lb)
+        wa, wb = np.exp2(lse - m), np.exp2(lb - m)
+        want = (o * wa[..., None] + ob * wb[..., None]) / (wa + wb)[..., None]
+        cache.merge_attn_output_inplace(as_tvm(o), as_tvm(lse), as_tvm(ob), as_tvm(lb))
+        np.testing.assert_allclose(o, want, atol=1e-5)
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-3000:])

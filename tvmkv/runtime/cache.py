@@ -1031,6 +1031,8 @@ class PagedAttentionKVCache:
             import torch
 
             out.copy_(torch.from_dlpack(o_dev))
+        elif kind == "tvm" and o_dev.data_ptr() != out.data_ptr():
+            out.copyfrom(o_dev)
         return out
 
     def _sm_scale(self, sm_scale) -> float:
@@ -1532,13 +1534,15 @@ class PagedAttentionKVCache:
         return out
 
     def _tvm_ok(self, x, shape: tuple) -> bool:
-        """True when ``x`` is a contiguous tvm tensor of ``shape``, the cache's dtype and device, which
-        the kernels take as is; everything else goes through :meth:`_check_array`, whose errors name
-        what is wrong."""
+        """True when ``x`` is a contiguous, 64-byte aligned tvm tensor of ``shape``, the cache's dtype and
+        device, which the kernels take as is; everything else goes through :meth:`_check_array`, whose
+        errors name what is wrong (and a misaligned tensor is copied: the kernels' vector loads need the
+        alignment, and TVM's own cache takes such a tensor)."""
         return (
             type(x) is self._tvm_tensor
             and x.is_contiguous()
             and x.shape == shape
+            and x.data_ptr() % tensors.ALIGN == 0
             and (d := x.device).dlpack_device_type() == self._dl_device_type
             and d.index == self._dev_index
             and x.dtype == self.config.dtype
@@ -1600,8 +1604,8 @@ class PagedAttentionKVCache:
         import tvm
 
         cfg = self.config
-        if out is not None and kind == "tvm":
-            return out
+        if out is not None and kind == "tvm" and out.data_ptr() % tensors.ALIGN == 0:
+            return out  # (a misaligned one gets a fresh buffer, copied into it after the launch)
         if out is not None and kind == "torch":
             try:
                 return tvm.runtime.from_dlpack(out)

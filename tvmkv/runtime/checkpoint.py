@@ -197,9 +197,7 @@ class ImportReservations:
         if self.pending.get(rec.seq_id) is rec:
             del self.pending[rec.seq_id]
             cache.release_sequence_id(rec.seq_id)
-            # in reverse: the free list gets them back in the order alloc took them, so an import that was
-            # aborted leaves the pool as it found it (the next allocations hand out the same pages)
-            cache.pool.release(rec.pages[::-1])
+            cache.pool.undo_alloc(rec.pages)  # the free list as the reservation found it
 
 
 def check_new_id(cache, seq_id, what: str) -> int:

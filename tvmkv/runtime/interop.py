@@ -637,6 +637,7 @@ def import_sequence(cache, seq_id, data, layout: str, *, num_tokens=None, block_
     kern = interop_kernels(cache)[f"import_{layout}"] if m else None  # compile before allocating anything
     # ---- validated: copy into fresh pages, then hand them to the sequence
     pages = cache.pool.alloc(m)
+    done = False
     try:
         if m:
             src = tensors.to_device(data, kind, cache.device)
@@ -647,8 +648,12 @@ def import_sequence(cache, seq_id, data, layout: str, *, num_tokens=None, block_
         if not new:
             cache.remove_sequence(seq_id)  # empty, no window, no tree: re-added below over the pages
         cache.add_sequence_with_pages(seq_id, pages, n)  # one more reference each ...
-    finally:  # ... replaces the allocation's (or frees the pages, in the order alloc took them, on failure)
-        cache.pool.release(pages[::-1])
+        done = True
+    finally:
+        if done:
+            cache.pool.release(pages)  # ... replaces the allocation's
+        else:
+            cache.pool.undo_alloc(pages)  # the free list as it was
 
 
 # ---------------------------------------------------------------------------------------------- zero-copy views

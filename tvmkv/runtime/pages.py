@@ -115,6 +115,12 @@ class PagePool:
             elif left == 1:
                 self.shared.discard(p)
 
+    def undo_alloc(self, pages: list) -> None:
+        """Give back ``pages`` that :meth:`alloc` just handed out (each still at ref count 1), in reverse, so
+        that the free list is as it was before (the order later allocations hand pages out in, which
+        ``table_digest`` covers): what a failed operation does with the pages it took."""
+        self.release(pages[::-1])
+
     def ensure_free(self, needed: int) -> bool:
         """True when ``needed`` pages are free, after asking page holders to evict pages only they
         hold (a holder evicts nothing when it cannot cover the shortfall)."""

@@ -143,7 +143,7 @@ class HostSwap:
             try:
                 self._pages_from_host(pages, src, lo, max_staging_bytes)
             except BaseException:
-                self.pool.release(pages)
+                self.pool.undo_alloc(pages)
                 raise
             extra = [p for p, n in zip(pages, users) for _ in range(n - 1)]
             if extra:

@@ -69,16 +69,31 @@ def overlaps(a, b, a_bytes: int, b_bytes: int) -> bool:
     return a0 < b0 + b_bytes and b0 < a0 + a_bytes
 
 
+# the kernels' buffers assume this alignment of their data (TVM's default; vector loads rely on it)
+ALIGN = 64
+
+
+def aligned_copy(t):
+    """A fresh (aligned) tvm tensor on ``t``'s device holding ``t``'s data: for tvm tensors whose data is
+    not :data:`ALIGN`-byte aligned (a NumPy array handed to a TVM global function arrives as one, zero-copy),
+    which the kernels must not read or write in place."""
+    import tvm
+
+    out = tvm.runtime.empty(tuple(t.shape), t.dtype, t.device)
+    out.copyfrom(t)
+    return out
+
+
 def to_device(x, kind: str, device):
     """A ``tvm.runtime.Tensor`` on ``device`` holding ``x`` (zero-copy for torch/tvm when possible).
 
     TVM's DLPack import rejects data not aligned to 64 bytes; such torch tensors are cloned first
-    (a torch allocation is aligned).
+    (a torch allocation is aligned), and such tvm tensors copied (:func:`aligned_copy`).
     """
     import tvm
 
     if kind == "tvm":
-        return x
+        return x if x.data_ptr() % ALIGN == 0 else aligned_copy(x)
     if kind == "numpy":
         return tvm.runtime.tensor(np.ascontiguousarray(x), device)
     try:
