@@ -176,6 +176,12 @@ def test_create_maps_tvm_arguments_and_rejects_what_tvmkv_lacks():
     assert kw["rope_theta"] == 5e5 and kw["support_sliding_window"] and kw["num_pages"] == 40
     assert kw["dtype"] == "float32" and kw["target"] == "llvm"
     assert override.cache_kwargs(*_create_args(ext=None))["rope_mode"] == "normal"  # None: no factors (TVM)
+    # TVM's cache rotates K inline whenever it supports sliding windows (paged_kv_cache.cc, the rope_mode_
+    # initializer; MLC's Mistral creates such a cache with rope_mode 1): it ran in "normal" mode here, and
+    # once a window slid its outputs and debug_get_kv differed from TVM's
+    slide = [4, 256, 16, 16, 1, 1024]
+    assert override.cache_kwargs(*_create_args(rope=1, sizes=slide))["rope_mode"] == "inline"
+    assert override.cache_kwargs(*_create_args(rope=0, sizes=slide))["rope_mode"] == "none"
     # AttnKind.MHA_SLIDING layers take the config's 6th entry (layer_sliding_window_size) as their window
     assert override.cache_kwargs(*_create_args(kinds=[3, 0], sizes=[4, 256, 16, 16, 0, 5]))["layer_windows"] == [5, 0]
     with pytest.raises(ValueError, match="layer_sliding_window_size"):

@@ -511,7 +511,9 @@ class TvmBuiltinOverride:
             max_total_seq_len=max_total,
             prefill_chunk_size=chunk,
             dtype=str(ref.dtype),
-            rope_mode=_ROPE_MODES[int(rope)],
+            # as TVM's cache: a cache that supports sliding windows rotates K inline (at attention time), never
+            # at append, so that keys which slide keep their original positions' rotation
+            rope_mode="inline" if bool(sliding) and int(rope) != 0 else _ROPE_MODES[int(rope)],
             rope_scale=float(scale),
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
