@@ -206,3 +206,32 @@ def test_attention_global_rejects_a_foreign_cache():
     f = tvm.get_global_func("tvmkv.attention_with_fused_qkv")
     with pytest.raises(TypeError, match="tvmkv.PagedAttentionKVCache"):
         f(object(), 0, 0.125, None, None)
+
+
+def test_overrides_uninstalled_in_any_order_restore_tvms_functions():
+    """Two overrides, the first uninstalled first: the second had recorded the first's functions as its
+    originals and put them back, so TVM's create stayed replaced after both were uninstalled."""
+    import tvm_ffi
+
+    from tvmkv.relax import builtins
+
+    names = (builtins.CREATE, "vm.builtin.kv_state_add_sequence")
+    tvms = [tvm_ffi.get_global_func(n) for n in names]
+    live = lambda: [tvm_ffi.get_global_func(n) for n in names]  # noqa: E731
+    first, second = TvmBuiltinOverride(), TvmBuiltinOverride()
+    first.install()
+    mine = live()
+    second.install()
+    theirs = live()
+    assert not any(a.same_as(b) for a, b in zip(mine, theirs))
+    first.uninstall()  # the second stays live
+    assert all(a.same_as(b) for a, b in zip(live(), theirs))
+    second.uninstall()
+    assert all(a.same_as(b) for a, b in zip(live(), tvms))
+    first.install()
+    mine = live()
+    second.install()
+    second.uninstall()  # in reverse order of install, as before
+    assert all(a.same_as(b) for a, b in zip(live(), mine))
+    first.uninstall()
+    assert all(a.same_as(b) for a, b in zip(live(), tvms))

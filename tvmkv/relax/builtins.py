@@ -321,6 +321,9 @@ def _dispatching(name: str, impl, original):
     return func
 
 
+_INSTALLED: list = []  # the installed TvmBuiltinOverride objects, in install order (the last one's functions are live)
+
+
 class TvmBuiltinOverride:
     """Run a model written against TVM's ``PagedKVCache`` interface on tvmkv's cache, unchanged.
 
@@ -399,6 +402,7 @@ class TvmBuiltinOverride:
         self._originals = {n: tvm_ffi.get_global_func(n, allow_missing=True) for n in names}
         impls = _impls()
         register()
+        _INSTALLED.append(self)
         tvm_ffi.register_global_func(CREATE, _reporting(CREATE, self._create), override=True)
         for name in _SUPPORTED:
             func = _dispatching(name, _reporting(name, impls[name]), self._originals[name])
@@ -409,13 +413,21 @@ class TvmBuiltinOverride:
         return self
 
     def uninstall(self) -> None:
+        """Put back the functions :meth:`install` replaced. Overrides may be uninstalled in any order: one
+        installed later on top of this one keeps its functions and takes this one's originals, so the
+        last one uninstalled restores TVM's."""
         if self._originals is None:
             return
-        for name, original in self._originals.items():
-            if original is None:
-                tvm_ffi.remove_global_func(name)
-            else:
-                tvm_ffi.register_global_func(name, original, override=True)
+        at = _INSTALLED.index(self)
+        if at + 1 < len(_INSTALLED):  # another override sits on top: it restores these originals later
+            _INSTALLED[at + 1]._originals = self._originals
+        else:
+            for name, original in self._originals.items():
+                if original is None:
+                    tvm_ffi.remove_global_func(name)
+                else:
+                    tvm_ffi.register_global_func(name, original, override=True)
+        del _INSTALLED[at]
         self._originals = None
 
     def __enter__(self) -> TvmBuiltinOverride:
