@@ -352,3 +352,33 @@ def test_misaligned_tvm_tensors_are_copied_not_read_in_place():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-3000:])
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tvm"])
+def test_qkv_and_out_with_rows_to_spare_use_their_first_rows(kind):
+    """TVM's cache takes qkv / out with more rows than the forward's tokens (a buffer sized for the
+    largest batch) and uses the first rows; tvmkv refused them ("qkv has shape (5, 8, 16); expected
+    (3, 8, 16)"). Outputs against NumPy; the spare rows of out are left as they were."""
+    import tvm
+
+    rng = np.random.default_rng(5)
+    cache = _cache()
+    for sid in (0, 1):
+        cache.add_sequence(sid)
+    first = _prefill(cache, 0, 6, rng)
+    qkv = rng.standard_normal((5, H_QO + 2 * H_KV, D)).astype(np.float32)  # 1 + 1 tokens used, 3 spare
+    out = np.full((5, H_QO, D), 7.0, np.float32)
+    wrap = (lambda a: tvm.runtime.tensor(a)) if kind == "tvm" else (lambda a: a)
+    q_in, o_in = wrap(qkv), wrap(out)
+    cache.begin_forward([0, 1], [1, 1])
+    got = cache.attention_with_fused_qkv(0, q_in, out=o_in)
+    cache.end_forward()
+    assert got is o_in
+    o = o_in.numpy() if kind == "tvm" else o_in
+    k0 = np.concatenate([first[:, H_QO : H_QO + H_KV], qkv[:1, H_QO : H_QO + H_KV]]).astype(np.float64)
+    v0 = np.concatenate([first[:, H_QO + H_KV :], qkv[:1, H_QO + H_KV :]]).astype(np.float64)
+    np.testing.assert_allclose(o[0], _attention(qkv[0, :H_QO].astype(np.float64), k0, v0), atol=1e-5)
+    k1, v1 = qkv[1:2, H_QO : H_QO + H_KV].astype(np.float64), qkv[1:2, H_QO + H_KV :].astype(np.float64)
+    np.testing.assert_allclose(o[1], _attention(qkv[1, :H_QO].astype(np.float64), k1, v1), atol=1e-5)
+    assert (o[2:] == 7.0).all()
+    assert cache.sequence_length(0) == 7 and cache.sequence_length(1) == 1  # the spare rows appended nothing

@@ -638,15 +638,18 @@ class PagedAttentionKVCache:
             ``[0, num_layers)`` but for a pipeline stage.
         qkv : numpy.ndarray | torch.Tensor | tvm.runtime.Tensor
             ``[total_new_tokens, H_qo + 2 H_kv, D]`` of the cache dtype, tokens in ``begin_forward``
-            order (docs/layout.md, "Fused qkv"), on the cache's device (NumPy is copied over).
+            order (docs/layout.md, "Fused qkv"), on the cache's device (NumPy is copied over). More rows
+            are allowed, as TVM's cache allows them (a buffer sized for the largest batch): only the
+            first ``total_new_tokens`` are read.
         sm_scale : float, optional
             Softmax scale, default ``head_dim ** -0.5``.
         out : same kind as ``qkv``, optional
-            ``[total_new_tokens, H_qo, D]``, written in place when given.
+            ``[total_new_tokens, H_qo, D]`` (or more rows, the rest left as they are), written in place
+            when given.
 
         Returns
         -------
-        ``[total_new_tokens, H_qo, D]`` attention output, the same kind as ``qkv``.
+        ``[total_new_tokens, H_qo, D]`` attention output, the same kind as ``qkv`` (``out`` when given).
         """
         cfg = self.config
         fwd = self._fwd
@@ -671,6 +674,12 @@ class PagedAttentionKVCache:
             run_layer(fwd, self._page_args[layer], qkv, o, sm_scale, window)
             self._ran[layer] = self._step
             return o
+        padded = _more_rows(qkv, fwd.qkv_shape) or (out is not None and _more_rows(out, fwd.o_shape))
+        if padded:  # buffers with rows to spare (TVM's cache takes them): their first rows, as views
+            whole = out
+            qkv, out = _first_rows(qkv, fwd.total), None if out is None else _first_rows(out, fwd.total)
+            result = self.attention_with_fused_qkv(layer_id, qkv, sm_scale, out)
+            return result if whole is None else whole
         if out is not None and self._torch_ok(qkv, fwd.qkv_shape) and self._torch_ok(out, fwd.o_shape):
             kind = "torch"  # a model's torch tensors, of a kind an earlier call checked in full
         else:
@@ -1613,6 +1622,22 @@ class PagedAttentionKVCache:
                 pass  # unaligned: compute into a fresh buffer, copy back
         shape = shape or (total, cfg.num_qo_heads, cfg.head_dim)
         return tvm.runtime.empty(shape, dtype or cfg.dtype, self.device)
+
+
+def _more_rows(x, shape: tuple) -> bool:
+    """Whether ``x`` (any array kind) has ``shape`` but for more leading rows."""
+    got = getattr(x, "shape", None)
+    return got is not None and len(got) == len(shape) and got[0] > shape[0] and tuple(got[1:]) == shape[1:]
+
+
+def _first_rows(x, n: int):
+    """The first ``n`` rows of ``x`` as a view of the same kind (a tvm tensor's view keeps its data
+    pointer: no byte offset)."""
+    if tensors.array_kind(x) != "tvm":
+        return x[:n]
+    if not x.is_contiguous():
+        raise ValueError(f"a tvm tensor of shape {tuple(x.shape)} is not contiguous; pass a contiguous one")
+    return x._create_view((n, *x.shape[1:]))
 
 
 def memory_needs(cfg: CacheConfig) -> list:
