@@ -76,6 +76,36 @@ def test_sliding_window_indexes_the_kept_tokens_and_rotates_inline_at_kept_posit
     cache.check_integrity()
 
 
+def test_a_window_enabled_on_a_long_sequence_applies_from_the_end_of_its_next_forward():
+    """TVM's EnableSlidingWindowForSeq records the window; the next forward's reservation slides. So a
+    30-token sequence given window 10 / sink 2 keeps its length, may still pop_n 15, and its next token
+    attends to every token it holds (TVM's C++ cache: all 31 keys, to 1.6e-7); tvmkv dropped 20 tokens
+    at once, refused the pop and attended to 11 keys (1.0 off TVM's output)."""
+    rng = np.random.default_rng(7)
+    cache = _cache(support_sliding_window=True)
+    cache.add_sequence(0)
+    rows = rng.standard_normal((32, H_QO + 2 * H_KV, D)).astype(np.float32)
+    _step(cache, 0, rows[:30])
+    cache.enable_sliding_window_for_seq(0, 10, 2)
+    assert cache.sequence_length(0) == 30
+    cache.pop_n(0, 15)
+    assert cache.sequence_length(0) == 15
+    o = _step(cache, 0, rows[30:31])  # 15 held + 1 new: all 16 visible
+    keys = np.concatenate([rows[:15], rows[30:31]]).astype(np.float64)
+    np.testing.assert_allclose(
+        o[0], _attend(keys[-1, :H_QO], keys[:, H_QO : H_QO + H_KV], keys[:, H_QO + H_KV :]), atol=2e-5
+    )
+    assert cache.sequence_length(0) == 10  # slid at the end of that forward: tokens 0, 1 and 8..15
+    k, _ = cache.debug_get_kv(0)
+    np.testing.assert_array_equal(k[0], keys[[0, 1, *range(8, 16)], H_QO : H_QO + H_KV])
+    o = _step(cache, 0, rows[31:32])  # from now on the window: 10 kept + the new token
+    kept = np.concatenate([keys[[0, 1, *range(8, 16)]], rows[31:32]])
+    np.testing.assert_allclose(
+        o[0], _attend(kept[-1, :H_QO], kept[:, H_QO : H_QO + H_KV], kept[:, H_QO + H_KV :]), atol=2e-5
+    )
+    cache.check_integrity()
+
+
 def test_fork_starts_without_a_window():
     rng = np.random.default_rng(1)
     cache = _cache(support_sliding_window=True)

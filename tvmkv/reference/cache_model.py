@@ -99,8 +99,7 @@ class CacheModel:
 
     def enable_window(self, sid, window, sink):
         s = self.seqs[sid]
-        s.window, s.sink = window, sink
-        self._slide(s)
+        s.window, s.sink = window, sink  # nothing dropped yet: the next end() slides (TVM's rule)
 
     def _slide(self, s):
         if s.window and s.k.shape[1] > s.window:

@@ -485,7 +485,9 @@ class PagedAttentionKVCache:
 
     def enable_sliding_window_for_seq(self, seq_id, sliding_window_size, attn_sink_size=0) -> None:
         """Keep only the first ``attn_sink_size`` plus the last ``sliding_window_size - attn_sink_size``
-        tokens of ``seq_id`` (applied now and after every forward; see docs/layout.md)."""
+        tokens of ``seq_id``, from the end of its next forward on (see docs/layout.md). As in TVM's cache,
+        nothing is dropped now: the length stays, ``pop_n`` may still roll back, and that next forward
+        attends to every token the sequence holds."""
         seq = self._table.get(seq_id)
         window = as_int(sliding_window_size, "sliding_window_size")
         sink = as_int(attn_sink_size, "attn_sink_size")

@@ -305,8 +305,7 @@ class SequenceTable:
         self.num_windowed += (window > 0) - (seq.window > 0)
         seq.window, seq.sink, seq.sink_end, seq.window_start = window, sink, sink, sink
         seq.stamp = 0
-        self.version += 1
-        self.slide(seq)
+        self.version += 1  # (the window applies from the end of the next forward on, as in TVM's cache)
 
     def slide(self, seq: Sequence) -> None:
         """Drop tokens beyond the window (keep sink + the last window - sink) and free whole stale pages."""
