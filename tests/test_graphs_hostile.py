@@ -310,15 +310,15 @@ def test_replay_with_sliding_windows_and_sinks(tape, rope_mode):
     d = _Driver(tape, 3, seed=2, sliding=True, decode_splits=4, stable_decode_splits=True, rope_mode=rope_mode)
     for sid, n in ((0, 30), (1, 12), (2, 50)):
         d.add(sid, n)
-    d.window(0, 24, 4)  # slides now and after every step
+    d.window(0, 24, 4)  # slides after the next step and every step after it
     d.window(2, 40)
     batch = [0, 1, 2]
     for step in range(16):
-        if step == 3:  # a fork (copy-on-write of the partial page) takes a row, with sink == window
-            d.fork(1, 5)
-            d.window(5, 16, 16)  # only the sink is kept once it slides
+        if step == 3:  # a fork (copy-on-write of the partial page) takes a row; its 15 inherited tokens
+            d.fork(1, 5)  # are its window's sink (TVM's rule), so it keeps them and its newest token
+            d.window(5, 16, 2)
             batch = [0, 5, 2]
-        if step == 6:  # the parent gets a window that slides at once
+        if step == 6:  # the parent gets a window that slides at the end of the next step
             d.window(1, 8, 2)
             batch = [0, 1, 2]
         if step == 9:

@@ -279,3 +279,34 @@ def test_shared_kv_uses_q_as_given_with_normal_rope():
     want = _attend(q_rot[0].astype(np.float64), _rope(k, np.arange(6)), v)
     np.testing.assert_allclose(given[0], want, atol=2e-5)
     np.testing.assert_allclose(rotated_here[0], want, atol=2e-5)
+
+
+def test_a_window_on_a_fork_keeps_the_inherited_tokens_as_sinks():
+    """TVM's EnableSlidingWindowForSeq makes a fork's inherited prefix (its parent's blocks, which never
+    slide) attention sinks; tvmkv slid them out like any other token, and once the child's window was
+    full its outputs left TVM's (0.2-0.7 apart). Window 20, sink 0, fork of 16 tokens: the child keeps
+    tokens 0..15 plus its newest ones (NumPy); a window not above the prefix and sink == window are refused."""
+    rng = np.random.default_rng(8)
+    cache = _cache(support_sliding_window=True)
+    cache.add_sequence(0)
+    rows = rng.standard_normal((40, H_QO + 2 * H_KV, D)).astype(np.float32)
+    _step(cache, 0, rows[:20])
+    cache.fork_sequence(0, 1, 16)
+    assert cache.sequence_info(1).fork_prefix == 16
+    with pytest.raises(ValueError, match="must exceed 16"):
+        cache.enable_sliding_window_for_seq(1, 16, 0)
+    with pytest.raises(ValueError, match="attn_sink_size=20 must be in"):
+        cache.enable_sliding_window_for_seq(1, 20, 20)
+    cache.enable_sliding_window_for_seq(1, 20, 0)
+    own = []
+    for t in range(12):
+        o = _step(cache, 1, rows[20 + t : 21 + t])
+        own.append(20 + t)
+        kept = list(range(16)) + own[-(20 - 16 + 1) :] if 16 + len(own) > 20 else list(range(16)) + own
+        keys = rows[kept].astype(np.float64)
+        q = rows[20 + t, :H_QO].astype(np.float64)
+        np.testing.assert_allclose(o[0], _attend(q, keys[:, H_QO : H_QO + H_KV], keys[:, H_QO + H_KV :]), atol=2e-5)
+    assert cache.sequence_length(1) == 20
+    k, _ = cache.debug_get_kv(1)
+    np.testing.assert_array_equal(k[0, :16], rows[:16, H_QO : H_QO + H_KV])
+    cache.check_integrity()

@@ -37,6 +37,7 @@ class _Seq:
         self.slid = False  # a window has dropped tokens
         self.window = 0
         self.sink = 0
+        self.fork_prefix = 0  # tokens taken over from the parent at a fork: sinks of a later window (TVM)
         # uncommitted tree nodes
         self.tk = np.zeros((L, 0, H, D))
         self.tv = np.zeros((L, 0, H, D))
@@ -88,6 +89,7 @@ class CacheModel:
         c.length = c.appended = pos
         c.tk, c.tv, c.tparent, c.tdepth = p.tk[:, :0], p.tv[:, :0], [], []
         c.window = c.sink = 0  # a fork starts without a window (TVM's rule)
+        c.fork_prefix = pos
         c.slid = False
         self.seqs[child] = c
 
@@ -99,7 +101,8 @@ class CacheModel:
 
     def enable_window(self, sid, window, sink):
         s = self.seqs[sid]
-        s.window, s.sink = window, sink  # nothing dropped yet: the next end() slides (TVM's rule)
+        # nothing dropped yet: the next end() slides; a fork's inherited tokens are sinks (TVM's rules)
+        s.window, s.sink = window, max(sink, min(s.fork_prefix, s.length))
 
     def _slide(self, s):
         if s.window and s.k.shape[1] > s.window:

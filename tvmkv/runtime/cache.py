@@ -487,7 +487,8 @@ class PagedAttentionKVCache:
         """Keep only the first ``attn_sink_size`` plus the last ``sliding_window_size - attn_sink_size``
         tokens of ``seq_id``, from the end of its next forward on (see docs/layout.md). As in TVM's cache,
         nothing is dropped now: the length stays, ``pop_n`` may still roll back, and that next forward
-        attends to every token the sequence holds."""
+        attends to every token the sequence holds; and a sequence made by ``fork_sequence`` keeps the
+        tokens it took over from its parent as attention sinks (the sink is at least that prefix)."""
         seq = self._table.get(seq_id)
         window = as_int(sliding_window_size, "sliding_window_size")
         sink = as_int(attn_sink_size, "attn_sink_size")
@@ -499,13 +500,22 @@ class PagedAttentionKVCache:
             )
         if window <= 0:
             raise ValueError(f"sliding_window_size={window} must be positive")
-        if not 0 <= sink <= window:
-            raise ValueError(f"attn_sink_size={sink} must be in [0, sliding_window_size={window}]")
+        if not 0 <= sink < window:
+            raise ValueError(
+                f"attn_sink_size={sink} must be in [0, sliding_window_size={window}) (TVM's rule: a window of sink "
+                "tokens only would keep no new token)"
+            )
         if seq.tree_parent:
             raise ValueError(f"sequence {seq_id} has an uncommitted token tree; commit it first")
         if seq.slid:
             raise ValueError(f"sequence {seq_id} already slid its window; its window cannot be changed")
-        self._table.set_window(seq, window, sink)
+        prefix = min(seq.fork_prefix, seq.kv_len)  # TVM: the parent's blocks cannot slide, natural sinks
+        if prefix >= window:
+            raise ValueError(
+                f"sequence {seq_id} took its first {prefix} tokens over from the sequence it was forked from; they "
+                f"are attention sinks (TVM's rule), so sliding_window_size={window} must exceed {prefix}"
+            )
+        self._table.set_window(seq, window, max(sink, prefix))
 
     def clear(self) -> None:
         """Remove every sequence (swapped ones too) and close any open forward."""

@@ -55,6 +55,9 @@ class Sequence:
     dropped: bool = False  # the window has dropped tokens (then forks and imports are refused)
     window: int = 0  # sliding window size (0 = none)
     sink: int = 0
+    # tokens a fork took over from its parent (fork_sequence's fork_pos; 0 otherwise): TVM's cache keeps them in
+    # the parent's blocks, which never slide, so a window enabled later makes them attention sinks
+    fork_prefix: int = 0
     tree_parent: list = field(default_factory=list)
     tree_depth: list = field(default_factory=list)
     tree_last: int = 0  # nodes the last token-tree forward appended (the last of tree_parent)
@@ -181,6 +184,7 @@ class SequenceInfo:
     slid: bool  # whether the window has dropped tokens (slots are no longer positions)
     num_tree_nodes: int  # uncommitted token-tree nodes at the end
     poppable: int  # most tokens pop_n may drop now (fewer than length once a window slid)
+    fork_prefix: int = 0  # tokens taken over from a fork's parent, still held: a later window keeps them as sinks
 
 
 class SequenceTable:
@@ -251,6 +255,7 @@ class SequenceTable:
             seq.slid,
             len(seq.tree_parent),
             seq.poppable,
+            min(seq.fork_prefix, seq.kv_len),
         )
 
     # ------------------------------------------------------------------ changes (validated by the caller)
@@ -291,7 +296,7 @@ class SequenceTable:
             page = self.pool.alloc(1)[0]
             copy_partial(int(parent.pages[full]), page, partial)
             shared.append(page)
-        self.add(child_id, shared, fork_pos)
+        self.add(child_id, shared, fork_pos).fork_prefix = fork_pos
 
     def truncate(self, seq: Sequence, kv_len: int) -> None:
         """Keep the first ``kv_len`` slots; pages no longer used are released."""

@@ -333,10 +333,12 @@ class StatefulRunner:
         elif kind == "window":
             sid, size, sink = op[1:]
             errs |= self._lookup(sid)
-            if not self.cfg.support_sliding_window or size <= 0 or not 0 <= sink <= size:
+            if not self.cfg.support_sliding_window or size <= 0 or not 0 <= sink < size:
                 errs.add(ValueError)
             if sid in seqs and (self.tree_nodes(sid) or self.slid(sid)):
                 errs.add(ValueError)
+            if sid in seqs and min(self.model.seqs[sid].fork_prefix, self.length(sid)) >= size:
+                errs.add(ValueError)  # a fork's inherited tokens are sinks (TVM): the window must exceed them
         elif kind in ("fwd", "midfwd"):
             ids, lengths = [x[0] for x in op[1]], [x[1] for x in op[1]]
             errs = self._forward_errors(ids, lengths, None)
@@ -969,7 +971,7 @@ class Generator:
         r = self.r
         cands = [s for s in r.ids() if not r.tree_nodes(s) and not r.slid(s)] or r.ids()
         size = self._int(1, 3 * r.cfg.page_size + 2)
-        return ["window", self._pick(cands), size, self._int(0, min(size, r.cfg.page_size + 1))]
+        return ["window", self._pick(cands), size, self._int(0, min(size - 1, r.cfg.page_size + 1))]
 
     def _batch(self, cands):
         batch = self._subset(cands)[: self.r.cfg.max_batch_size]
