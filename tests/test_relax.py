@@ -182,6 +182,9 @@ def test_create_maps_tvm_arguments_and_rejects_what_tvmkv_lacks():
     slide = [4, 256, 16, 16, 1, 1024]
     assert override.cache_kwargs(*_create_args(rope=1, sizes=slide))["rope_mode"] == "inline"
     assert override.cache_kwargs(*_create_args(rope=0, sizes=slide))["rope_mode"] == "none"
+    scaled = TvmBuiltinOverride(rope_scaling={"rope_type": "gptj"})
+    with pytest.raises(NotImplementedError, match="rotates K inline"):  # tvmkv's inline RoPE has no variants
+        scaled.cache_kwargs(*_create_args(rope=1, sizes=slide))
     # AttnKind.MHA_SLIDING layers take the config's 6th entry (layer_sliding_window_size) as their window
     assert override.cache_kwargs(*_create_args(kinds=[3, 0], sizes=[4, 256, 16, 16, 0, 5]))["layer_windows"] == [5, 0]
     with pytest.raises(ValueError, match="layer_sliding_window_size"):

@@ -502,6 +502,13 @@ class TvmBuiltinOverride:
             rope_scaling = rope_scaling.with_ext_factors(ext.numpy())
         if int(rope) not in _ROPE_MODES:
             raise ValueError(f"rope_mode {rope} is not 0 (none), 1 (normal) or 2 (inline)")
+        if bool(sliding) and int(rope) != 0 and not rope_scaling.is_default(int(qk_dim)):
+            raise NotImplementedError(
+                "a cache that supports sliding windows rotates K inline (TVM's rule), and tvmkv's inline RoPE is the "
+                f"default RoPE over the whole head, not {rope_scaling.rope_type} "
+                f"(rotary_dim {rope_scaling.rotary_dim}): create the cache without support_sliding_window, or without "
+                "rope_scaling / rotary_dim"
+            )
         dev_type = ref.device.dlpack_device_type()
         if dev_type == 1:
             target = "llvm"
