@@ -38,7 +38,13 @@ class Driver:
         cfg = cache.config
         self.cache, self.prefix = cache, RadixPrefixCache(cache)
         self.model = CacheModel(
-            cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, rope_mode=cfg.rope_mode, dtype=cfg.dtype
+            cfg.num_layers,
+            cfg.num_qo_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rope_mode=cfg.rope_mode,
+            dtype=cfg.dtype,
+            page_size=cfg.page_size,
         )
         rng = np.random.default_rng(seed)
         shape = (cfg.num_layers, vocab, cfg.qkv_heads, cfg.head_dim)

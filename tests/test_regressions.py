@@ -347,6 +347,12 @@ def test_misaligned_tvm_tensors_are_copied_not_read_in_place():
         want = (o * wa[..., None] + ob * wb[..., None]) / (wa + wb)[..., None]
         cache.merge_attn_output_inplace(as_tvm(o), as_tvm(lse), as_tvm(ob), as_tvm(lb))
         np.testing.assert_allclose(o, want, atol=1e-5)
+        from tvmkv import interop  # an export into a misaligned out wrote a copy and left out as it was
+        dst = misaligned((1, 2, 6, H_KV, D), rng)
+        interop.export_sequence(cache, 0, "contiguous", out=as_tvm(dst))
+        k_all, v_all = cache.debug_get_kv(0)
+        np.testing.assert_array_equal(dst[:, 0], k_all)
+        np.testing.assert_array_equal(dst[:, 1], v_all)
         print("ok")
         """
     )
@@ -382,3 +388,7 @@ def test_qkv_and_out_with_rows_to_spare_use_their_first_rows(kind):
     np.testing.assert_allclose(o[1], _attention(qkv[1, :H_QO].astype(np.float64), k1, v1), atol=1e-5)
     assert (o[2:] == 7.0).all()
     assert cache.sequence_length(0) == 7 and cache.sequence_length(1) == 1  # the spare rows appended nothing
+    cache.begin_forward([0, 1], [1, 1])
+    with pytest.raises(ValueError, match=r"out has shape \(1, 4, 16\); expected \(2, 4, 16\)"):
+        cache.attention_with_fused_qkv(0, q_in, out=wrap(out[:1].copy()))  # spare qkv rows, too few out rows
+    cache.end_forward()

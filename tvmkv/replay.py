@@ -171,6 +171,7 @@ class Replayer:
             rope_scale=cfg.rope_scale,
             rope_theta=cfg.rope_theta,
             dtype=cfg.dtype,
+            page_size=cfg.page_size,
         )
         self.rng = np.random.default_rng(seed)
         tight = cfg.dtype == "float32"

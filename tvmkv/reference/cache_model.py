@@ -37,7 +37,8 @@ class _Seq:
         self.slid = False  # a window has dropped tokens
         self.window = 0
         self.sink = 0
-        self.fork_prefix = 0  # tokens taken over from the parent at a fork: sinks of a later window (TVM)
+        self.fork_prefix = 0  # whole pages shared with a fork (parent or child): sinks of a window (TVM)
+        self.asked_sink = 0  # the sink enable_window asked for
         # uncommitted tree nodes
         self.tk = np.zeros((L, 0, H, D))
         self.tv = np.zeros((L, 0, H, D))
@@ -65,12 +66,14 @@ class CacheModel:
         rope_theta=1e4,
         dtype="float32",
         kv_store=None,
+        page_size=1,
     ):
         self.L, self.Hq, self.Hkv, self.D = num_layers, num_qo_heads, num_kv_heads, head_dim
         self.dtype = dtype  # what the cache stores: rotated q/k are rounded to it
         # kv_store(layer, k, v) -> (k, v) as the pages hold them (fp8 pages: quantized and back), or None
         self.kv_store = kv_store
         self.rope_mode, self.scale, self.theta = rope_mode, rope_scale, rope_theta
+        self.P = page_size  # the cache's: a fork shares whole pages, which are sinks of a later window (TVM)
         self.seqs: dict = {}
         self.fwd = None
 
@@ -89,7 +92,8 @@ class CacheModel:
         c.length = c.appended = pos
         c.tk, c.tv, c.tparent, c.tdepth = p.tk[:, :0], p.tv[:, :0], [], []
         c.window = c.sink = 0  # a fork starts without a window (TVM's rule)
-        c.fork_prefix = pos
+        c.fork_prefix = pos // self.P * self.P  # the whole pages both now share (TVM: a block never slid)
+        p.fork_prefix = max(p.fork_prefix, c.fork_prefix)
         c.slid = False
         self.seqs[child] = c
 
@@ -98,13 +102,16 @@ class CacheModel:
         keep = s.k.shape[1] - n
         s.k, s.v, s.pos, s.index = s.k[:, :keep], s.v[:, :keep], s.pos[:keep], s.index[:keep]
         s.length, s.appended = s.length - n, s.appended - n
+        s.fork_prefix = min(s.fork_prefix, s.length // self.P * self.P)  # TVM forks again at the new length
 
     def enable_window(self, sid, window, sink):
         s = self.seqs[sid]
-        # nothing dropped yet: the next end() slides; a fork's inherited tokens are sinks (TVM's rules)
-        s.window, s.sink = window, max(sink, min(s.fork_prefix, s.length))
+        # nothing dropped yet: the next end() slides; tokens a fork shares are sinks (TVM's rules)
+        s.window, s.asked_sink = window, sink
 
     def _slide(self, s):
+        if s.window and not s.slid:  # the sink as the window first slides: what a fork shares then, at least
+            s.sink = min(max(s.asked_sink, min(s.fork_prefix, s.length)), s.window - 1)
         if s.window and s.k.shape[1] > s.window:
             idx = np.r_[0 : s.sink, s.k.shape[1] - (s.window - s.sink) : s.k.shape[1]]
             s.k, s.v, s.index = s.k[:, idx], s.v[:, idx], s.index[idx]

@@ -487,8 +487,8 @@ class PagedAttentionKVCache:
         """Keep only the first ``attn_sink_size`` plus the last ``sliding_window_size - attn_sink_size``
         tokens of ``seq_id``, from the end of its next forward on (see docs/layout.md). As in TVM's cache,
         nothing is dropped now: the length stays, ``pop_n`` may still roll back, and that next forward
-        attends to every token the sequence holds; and a sequence made by ``fork_sequence`` keeps the
-        tokens it took over from its parent as attention sinks (the sink is at least that prefix)."""
+        attends to every token the sequence holds; and the whole pages a fork shares between parent and
+        child (``SequenceInfo.fork_prefix``) stay as attention sinks of either's window."""
         seq = self._table.get(seq_id)
         window = as_int(sliding_window_size, "sliding_window_size")
         sink = as_int(attn_sink_size, "attn_sink_size")
@@ -509,13 +509,13 @@ class PagedAttentionKVCache:
             raise ValueError(f"sequence {seq_id} has an uncommitted token tree; commit it first")
         if seq.slid:
             raise ValueError(f"sequence {seq_id} already slid its window; its window cannot be changed")
-        prefix = min(seq.fork_prefix, seq.kv_len)  # TVM: the parent's blocks cannot slide, natural sinks
+        prefix = min(seq.fork_prefix, seq.kv_len)  # TVM: blocks that forks share never slide, natural sinks
         if prefix >= window:
             raise ValueError(
-                f"sequence {seq_id} took its first {prefix} tokens over from the sequence it was forked from; they "
-                f"are attention sinks (TVM's rule), so sliding_window_size={window} must exceed {prefix}"
+                f"sequence {seq_id} shares its first {prefix} tokens with a fork (it was forked, or forked from, "
+                f"there); they are attention sinks (TVM's rule), so sliding_window_size={window} must exceed {prefix}"
             )
-        self._table.set_window(seq, window, max(sink, prefix))
+        self._table.set_window(seq, window, sink)
 
     def clear(self) -> None:
         """Remove every sequence (swapped ones too) and close any open forward."""
@@ -686,10 +686,12 @@ class PagedAttentionKVCache:
             run_layer(fwd, self._page_args[layer], qkv, o, sm_scale, window)
             self._ran[layer] = self._step
             return o
-        padded = _more_rows(qkv, fwd.qkv_shape) or (out is not None and _more_rows(out, fwd.o_shape))
-        if padded:  # buffers with rows to spare (TVM's cache takes them): their first rows, as views
-            whole = out
-            qkv, out = _first_rows(qkv, fwd.total), None if out is None else _first_rows(out, fwd.total)
+        more_qkv = _more_rows(qkv, fwd.qkv_shape)
+        more_out = out is not None and _more_rows(out, fwd.o_shape)
+        if more_qkv or more_out:  # buffers with rows to spare (TVM's cache takes them): their first rows, as views
+            whole = out  # (a buffer with too few rows is passed on as it is, for the checks to name)
+            qkv = _first_rows(qkv, fwd.total) if more_qkv else qkv
+            out = _first_rows(out, fwd.total) if more_out else out
             result = self.attention_with_fused_qkv(layer_id, qkv, sm_scale, out)
             return result if whole is None else whole
         if out is not None and self._torch_ok(qkv, fwd.qkv_shape) and self._torch_ok(out, fwd.o_shape):

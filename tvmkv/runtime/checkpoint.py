@@ -425,14 +425,14 @@ def _check_group(cache, x, name: str, num_pages: int, *, writable: bool) -> str:
 
 def _group_tensor(cache, x, name: str, num_pages: int, *, writable: bool):
     """``(tvm tensor, kind)`` over ``x`` after :func:`_check_group`; NumPy and unaligned torch arrays
-    get a host / device copy (written back by :func:`_write_back`)."""
+    and misaligned torch / tvm arrays get a host / device copy (written back by :func:`_write_back`)."""
     import tvm
 
     cfg = cache.config
     kind = _check_group(cache, x, name, num_pages, writable=writable)
     shape = page_group_shape(cache, num_pages)
-    if kind == "tvm":
-        return x, kind
+    if kind == "tvm":  # (a misaligned one is copied: the kernels need 64-byte aligned data)
+        return tensors.to_device(x, kind, cache.device), kind
     if kind == "numpy":  # a host copy (the destination of an export needs none of x's values)
         if writable:
             return tvm.runtime.empty(shape, cfg.page_dtype, tvm.cpu(0)), kind
@@ -450,6 +450,8 @@ def _write_back(x, kind: str, t) -> None:
         import torch
 
         x.copy_(torch.from_dlpack(t))
+    elif kind == "tvm" and t.data_ptr() != x.data_ptr():
+        x.copyfrom(t)
 
 
 # ---------------------------------------------------------------------------------------------- export

@@ -562,8 +562,8 @@ def export_sequence(cache, seq_id, layout: str, *, out=None, block_ids=None, kin
         return tensors.from_device(dst, out_kind)
     if out_kind == "numpy":
         out[...] = dst.numpy()
-    elif out_kind == "torch" and dst.data_ptr() != out.data_ptr():
-        _copy_back(out, "torch", dst)
+    elif dst.data_ptr() != out.data_ptr():  # a torch / tvm out the kernels could not write in place (misaligned)
+        _copy_back(out, out_kind, dst)
     return out
 
 

@@ -55,8 +55,8 @@ class Sequence:
     dropped: bool = False  # the window has dropped tokens (then forks and imports are refused)
     window: int = 0  # sliding window size (0 = none)
     sink: int = 0
-    # tokens a fork took over from its parent (fork_sequence's fork_pos; 0 otherwise): TVM's cache keeps them in
-    # the parent's blocks, which never slide, so a window enabled later makes them attention sinks
+    # tokens in the whole pages a fork shares between parent and child (lowered by pop_n): TVM's cache keeps
+    # them in a block both descend from, which never slides, so a window makes them attention sinks
     fork_prefix: int = 0
     tree_parent: list = field(default_factory=list)
     tree_depth: list = field(default_factory=list)
@@ -180,11 +180,11 @@ class SequenceInfo:
     kv_len: int  # slots used in ``pages`` (what the pages hold)
     pages: tuple  # page ids in slot order
     window: int  # sliding window size, 0 for none
-    sink: int  # attention sink of the window
+    sink: int  # attention sink in effect: at least fork_prefix until the window first slides, then fixed
     slid: bool  # whether the window has dropped tokens (slots are no longer positions)
     num_tree_nodes: int  # uncommitted token-tree nodes at the end
     poppable: int  # most tokens pop_n may drop now (fewer than length once a window slid)
-    fork_prefix: int = 0  # tokens taken over from a fork's parent, still held: a later window keeps them as sinks
+    fork_prefix: int = 0  # tokens in whole pages shared with a fork (parent or child): a window keeps them as sinks
 
 
 class SequenceTable:
@@ -251,7 +251,7 @@ class SequenceTable:
             seq.kv_len,
             tuple(seq.pages.tolist()),
             seq.window,
-            seq.sink,
+            seq.sink_end if seq.window else 0,  # the sink in effect (a fork's shared pages may lengthen it)
             seq.slid,
             len(seq.tree_parent),
             seq.poppable,
@@ -296,21 +296,39 @@ class SequenceTable:
             page = self.pool.alloc(1)[0]
             copy_partial(int(parent.pages[full]), page, partial)
             shared.append(page)
-        self.add(child_id, shared, fork_pos).fork_prefix = fork_pos
+        # TVM's cache moves the shared whole pages into a block both sequences descend from, which never
+        # slides: a window of either keeps those tokens as sinks (the copied partial page is the child's own)
+        child = self.add(child_id, shared, fork_pos)
+        child.fork_prefix = full * P
+        parent.fork_prefix = max(parent.fork_prefix, full * P)
+        self._sinks(parent)
 
     def truncate(self, seq: Sequence, kv_len: int) -> None:
         """Keep the first ``kv_len`` slots; pages no longer used are released."""
         self.pool.release(seq.truncate_pages(-(-kv_len // self.page_size)))
         seq.kv_len, seq.stamp = kv_len, 0
+        # popped into the inherited prefix: TVM forks again at the new length (whole pages shared)
+        seq.fork_prefix = min(seq.fork_prefix, kv_len // self.page_size * self.page_size)
+        self._sinks(seq)
         if seq.window_start > max(kv_len, seq.sink_end):
             seq.window_start = max(kv_len, seq.sink_end)
         self.version += 1
 
     def set_window(self, seq: Sequence, window: int, sink: int) -> None:
         self.num_windowed += (window > 0) - (seq.window > 0)
-        seq.window, seq.sink, seq.sink_end, seq.window_start = window, sink, sink, sink
+        seq.window, seq.sink = window, sink
         seq.stamp = 0
+        self._sinks(seq)
         self.version += 1  # (the window applies from the end of the next forward on, as in TVM's cache)
+
+    @staticmethod
+    def _sinks(seq: Sequence) -> None:
+        """The attention sink of a window that has not slid yet: ``sink`` tokens, or the tokens it shares with a
+        fork where those are more (TVM's cache never slides a block that forks share), and fewer than the window
+        (a fork of a windowed sequence may share more; TVM's cache breaks there, tvmkv keeps window - 1)."""
+        if seq.window and not seq.dropped:
+            sink = min(max(seq.sink, min(seq.fork_prefix, seq.kv_len)), seq.window - 1)
+            seq.sink_end = seq.window_start = sink
 
     def slide(self, seq: Sequence) -> None:
         """Drop tokens beyond the window (keep sink + the last window - sink) and free whole stale pages."""
@@ -382,7 +400,8 @@ class SequenceTable:
         for table, tag in ((self.resident, b"R"), (self.swapped, b"S")):
             for sid in sorted(table):
                 seq = table[sid]
-                fields = (sid, seq.kv_len, seq.sink_end, seq.window_start, int(seq.dropped), seq.window, seq.sink)
+                window = (seq.sink_end, seq.window_start, int(seq.dropped), seq.window, seq.sink, seq.fork_prefix)
+                fields = (sid, seq.kv_len, *window)
                 sizes = (len(seq.tree_parent), seq.tree_last, seq.num_pages)
                 h.update(tag + np.asarray(fields + sizes + tuple(seq.tree_parent), np.int64).tobytes())
                 h.update(seq.pages.tobytes())
