@@ -321,7 +321,9 @@ def _dispatching(name: str, impl, original):
     return func
 
 
-_INSTALLED: list = []  # the installed TvmBuiltinOverride objects, in install order (the last one's functions are live)
+# [override, the functions it restores when uninstalled] of each installed TvmBuiltinOverride, in install order
+# (the last one's functions are live)
+_INSTALLED: list = []
 
 
 class TvmBuiltinOverride:
@@ -402,7 +404,7 @@ class TvmBuiltinOverride:
         self._originals = {n: tvm_ffi.get_global_func(n, allow_missing=True) for n in names}
         impls = _impls()
         register()
-        _INSTALLED.append(self)
+        _INSTALLED.append([self, self._originals])
         tvm_ffi.register_global_func(CREATE, _reporting(CREATE, self._create), override=True)
         for name in _SUPPORTED:
             func = _dispatching(name, _reporting(name, impls[name]), self._originals[name])
@@ -418,11 +420,12 @@ class TvmBuiltinOverride:
         last one uninstalled restores TVM's."""
         if self._originals is None:
             return
-        at = _INSTALLED.index(self)
+        at = next(i for i, (override, _) in enumerate(_INSTALLED) if override is self)
+        originals = _INSTALLED[at][1]  # TVM's functions, or those of an override uninstalled under this one
         if at + 1 < len(_INSTALLED):  # another override sits on top: it restores these originals later
-            _INSTALLED[at + 1]._originals = self._originals
+            _INSTALLED[at + 1][1] = originals
         else:
-            for name, original in self._originals.items():
+            for name, original in originals.items():
                 if original is None:
                     tvm_ffi.remove_global_func(name)
                 else:
