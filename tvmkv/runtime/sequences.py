@@ -328,7 +328,9 @@ class SequenceTable:
         (a fork of a windowed sequence may share more; TVM's cache breaks there, tvmkv keeps window - 1)."""
         if seq.window and not seq.dropped:
             sink = min(max(seq.sink, min(seq.fork_prefix, seq.kv_len)), seq.window - 1)
-            seq.sink_end = seq.window_start = sink
+            if (seq.sink_end, seq.window_start) != (sink, sink):
+                seq.sink_end = seq.window_start = sink
+                seq.stamp = 0  # (a kept decode plan's record of it is out of date)
 
     def slide(self, seq: Sequence) -> None:
         """Drop tokens beyond the window (keep sink + the last window - sink) and free whole stale pages."""
