@@ -368,6 +368,22 @@ def test_sessions_in_one_process_keep_their_own_errors_and_override():
         del ha, ca, h2
 
 
+def _run_script(path, text: str, timeout: int, hang: str) -> str:
+    """Write ``text`` to ``path`` and run it in a fresh interpreter from the checkout (a hang there is a
+    timeout here, reported as ``hang``); its stdout, after asserting that it exited 0."""
+    import subprocess
+    import sys
+
+    path.write_text(text)
+    root = Path(__file__).resolve().parent.parent
+    try:
+        done = subprocess.run([sys.executable, str(path)], cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(hang)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    return done.stdout
+
+
 def test_a_session_left_to_the_collector_does_not_hang_another(tmp_path):
     """A session dropped without shutdown() inside a reference cycle (as a traceback's frames leave one),
     with a cache on its workers, while another session's worker 0 (a thread of this process) runs the
@@ -375,11 +391,8 @@ def test_a_session_left_to_the_collector_does_not_hang_another(tmp_path):
     worker needs to free the cache shard, and both would wait forever. Open sessions are held until
     shutdown or exit, so the collection frees the cycle and nothing hangs; the dropped session is shut
     down at exit (the process exits 0). In a subprocess, so that a hang is a timeout here."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "collect.py"
-    script.write_text(
+    out = _run_script(
+        tmp_path / "collect.py",
         "import gc\n"
         "from tvm_ffi import register_global_func\n"
         "from tvmkv import disco\n"
@@ -396,15 +409,11 @@ def test_a_session_left_to_the_collector_does_not_hang_another(tmp_path):
         "b = disco.TvmkvSession(1)\n"
         "register_global_func('tvmkv_test.collect', lambda: gc.collect(), override=True)\n"
         "print('collected', b.fetch(b.call('tvmkv_test.collect')) > 0, flush=True)\n"
-        "b.shutdown()\n"
+        "b.shutdown()\n",
+        240,
+        "the collection on worker 0 hung (a session finalized by the garbage collector)",
     )
-    root = Path(__file__).resolve().parent.parent
-    try:
-        done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the collection on worker 0 hung (a session finalized by the garbage collector)")
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "collected True" in done.stdout, done.stdout
+    assert "collected True" in out, out
 
 
 def test_a_cache_collected_on_worker_0_does_not_hang_the_next_call(tmp_path):
@@ -416,11 +425,8 @@ def test_a_cache_collected_on_worker_0_does_not_hang_the_next_call(tmp_path):
     before the fix this loop hung within 40-480 rounds, 3 runs of 3). Now finalizers hand the DRef to the
     session, whose next call releases it. Worker 0 collects at the start of every create (its global
     function wrapped here; worker 1 runs its own); in a subprocess, so that a hang is a timeout here."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "collect_on_worker0.py"
-    script.write_text(
+    out = _run_script(
+        tmp_path / "collect_on_worker0.py",
         "import gc, threading, weakref\n"
         "from tvm_ffi import get_global_func, register_global_func\n"
         "from tvmkv import disco\n"
@@ -446,15 +452,11 @@ def test_a_cache_collected_on_worker_0_does_not_hang_the_next_call(tmp_path):
         "    del b\n"
         "gc.enable()\n"
         "print('finalized on worker 0:', sum(elsewhere), 'of', len(elsewhere), flush=True)\n"
-        "s.shutdown()\n"
+        "s.shutdown()\n",
+        150,
+        "a call hung after a cache was collected on worker 0's thread",
     )
-    root = Path(__file__).resolve().parent.parent
-    try:
-        done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=150)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a call hung after a cache was collected on worker 0's thread")
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "finalized on worker 0: 600 of 600" in done.stdout, done.stdout
+    assert "finalized on worker 0: 600 of 600" in out, out
 
 
 def test_a_refused_create_does_not_keep_the_session_alive():

@@ -92,9 +92,7 @@ class _Driver:
 
     def __init__(self, tape, batch: int, seed: int = 0, **options):
         self.cache = make_cache("llvm", num_layers=LAYERS, **options)
-        self.model = CacheModel(
-            LAYERS, HQ, HKV, D, rope_mode=options.get("rope_mode", "none"), page_size=self.cache.config.page_size
-        )
+        self.model = CacheModel.of(self.cache.config)
         self.rng = np.random.default_rng(seed)
         self.B = batch
         self.unchecked: set = set()  # layers whose eager outputs the model cannot check

@@ -42,7 +42,7 @@ class _Pair:
             rope_mode="inline",
             device_planning=device_planning,
         )
-        self.m = CacheModel(1, HQ, HKV, D, rope_mode="inline", page_size=self.c.config.page_size)
+        self.m = CacheModel.of(self.c.config)
         self.rng = np.random.default_rng(seed)
         self.ids: set = set()
         self.swapped: set = set()

@@ -37,15 +37,7 @@ class Driver:
     def __init__(self, cache, *, vocab=2000, seed=0):
         cfg = cache.config
         self.cache, self.prefix = cache, RadixPrefixCache(cache)
-        self.model = CacheModel(
-            cfg.num_layers,
-            cfg.num_qo_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            rope_mode=cfg.rope_mode,
-            dtype=cfg.dtype,
-            page_size=cfg.page_size,
-        )
+        self.model = CacheModel.of(cfg)
         rng = np.random.default_rng(seed)
         shape = (cfg.num_layers, vocab, cfg.qkv_heads, cfg.head_dim)
         self.emb = rng.uniform(-1, 1, shape).astype(np.float32)

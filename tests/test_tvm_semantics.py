@@ -44,6 +44,12 @@ def _attend(q, k, v):
     return out
 
 
+def _assert_attends(o, rows):
+    """``o`` [H_qo, D] is the last of ``rows`` (fused qkv) attending to all of them: NumPy, float64."""
+    x = np.asarray(rows, np.float64)
+    np.testing.assert_allclose(o, _attend(x[-1, :H_QO], x[:, H_QO : H_QO + H_KV], x[:, H_QO + H_KV :]), atol=2e-5)
+
+
 def _step(cache, sid, rows):
     cache.begin_forward([sid], [len(rows)])
     o = cache.attention_with_fused_qkv(0, rows)
@@ -91,18 +97,13 @@ def test_a_window_enabled_on_a_long_sequence_applies_from_the_end_of_its_next_fo
     cache.pop_n(0, 15)
     assert cache.sequence_length(0) == 15
     o = _step(cache, 0, rows[30:31])  # 15 held + 1 new: all 16 visible
-    keys = np.concatenate([rows[:15], rows[30:31]]).astype(np.float64)
-    np.testing.assert_allclose(
-        o[0], _attend(keys[-1, :H_QO], keys[:, H_QO : H_QO + H_KV], keys[:, H_QO + H_KV :]), atol=2e-5
-    )
+    keys = np.concatenate([rows[:15], rows[30:31]])
+    _assert_attends(o[0], keys)
     assert cache.sequence_length(0) == 10  # slid at the end of that forward: tokens 0, 1 and 8..15
     k, _ = cache.debug_get_kv(0)
     np.testing.assert_array_equal(k[0], keys[[0, 1, *range(8, 16)], H_QO : H_QO + H_KV])
     o = _step(cache, 0, rows[31:32])  # from now on the window: 10 kept + the new token
-    kept = np.concatenate([keys[[0, 1, *range(8, 16)]], rows[31:32]])
-    np.testing.assert_allclose(
-        o[0], _attend(kept[-1, :H_QO], kept[:, H_QO : H_QO + H_KV], kept[:, H_QO + H_KV :]), atol=2e-5
-    )
+    _assert_attends(o[0], np.concatenate([keys[[0, 1, *range(8, 16)]], rows[31:32]]))
     cache.check_integrity()
 
 
@@ -303,9 +304,7 @@ def test_a_window_on_a_fork_keeps_the_inherited_tokens_as_sinks():
         o = _step(cache, 1, rows[20 + t : 21 + t])
         own.append(20 + t)
         kept = list(range(16)) + own[-(20 - 16 + 1) :] if 16 + len(own) > 20 else list(range(16)) + own
-        keys = rows[kept].astype(np.float64)
-        q = rows[20 + t, :H_QO].astype(np.float64)
-        np.testing.assert_allclose(o[0], _attend(q, keys[:, H_QO : H_QO + H_KV], keys[:, H_QO + H_KV :]), atol=2e-5)
+        _assert_attends(o[0], rows[kept])  # (the new token is the last kept)
     assert cache.sequence_length(1) == 20
     k, _ = cache.debug_get_kv(1)
     np.testing.assert_array_equal(k[0, :16], rows[:16, H_QO : H_QO + H_KV])
@@ -329,10 +328,7 @@ def test_the_pages_a_fork_shares_are_sinks_of_either_windows():
     for t in range(22, 30):  # the parent's window: tokens 0..19 stay, then its newest
         o = _step(cache, 0, rows[t : t + 1])
         held = list(range(t + 1)) if t + 1 <= 25 else list(range(20)) + list(range(t - 4, t + 1))
-        keys = rows[held].astype(np.float64)
-        np.testing.assert_allclose(
-            o[0], _attend(keys[-1, :H_QO], keys[:, H_QO : H_QO + H_KV], keys[:, H_QO + H_KV :]), atol=2e-5
-        )
+        _assert_attends(o[0], rows[held])
     cache.pop_n(1, 9)  # 13 tokens left: 3 whole pages still shared
     assert cache.sequence_info(1).fork_prefix == 12
     cache.enable_sliding_window_for_seq(1, 16, 2)

@@ -162,17 +162,7 @@ class Replayer:
     def __init__(self, cache, *, seed=0, atol=None, rtol=None):
         cfg = cache.config
         self.cache = cache
-        self.model = CacheModel(
-            cfg.num_layers,
-            cfg.num_qo_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            rope_mode=cfg.rope_mode,
-            rope_scale=cfg.rope_scale,
-            rope_theta=cfg.rope_theta,
-            dtype=cfg.dtype,
-            page_size=cfg.page_size,
-        )
+        self.model = CacheModel.of(cfg)
         self.rng = np.random.default_rng(seed)
         tight = cfg.dtype == "float32"
         self.atol = atol if atol is not None else (1e-4 if tight else 1e-3 if cfg.dtype == "float16" else 2e-2)

@@ -77,6 +77,19 @@ class CacheModel:
         self.seqs: dict = {}
         self.fwd = None
 
+    @classmethod
+    def of(cls, cfg, **options) -> CacheModel:
+        """The model of a cache built with ``cfg`` (its ``CacheConfig``): shape, RoPE, dtype and page size
+        as the cache has them; ``options`` (``kv_store``, ...) as the constructor takes them."""
+        kw = dict(
+            rope_mode=cfg.rope_mode,
+            rope_scale=cfg.rope_scale,
+            rope_theta=cfg.rope_theta,
+            dtype=cfg.dtype,
+            page_size=cfg.page_size,
+        )
+        return cls(cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, **{**kw, **options})
+
     # sequences -------------------------------------------------------------
     def add(self, sid):
         self.seqs[sid] = _Seq(self.L, self.Hkv, self.D)

@@ -509,7 +509,7 @@ class PagedAttentionKVCache:
             raise ValueError(f"sequence {seq_id} has an uncommitted token tree; commit it first")
         if seq.slid:
             raise ValueError(f"sequence {seq_id} already slid its window; its window cannot be changed")
-        prefix = min(seq.fork_prefix, seq.kv_len)  # TVM: blocks that forks share never slide, natural sinks
+        prefix = seq.shared_prefix  # TVM: blocks that forks share never slide, natural sinks
         if prefix >= window:
             raise ValueError(
                 f"sequence {seq_id} shares its first {prefix} tokens with a fork (it was forked, or forked from, "

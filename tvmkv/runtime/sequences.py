@@ -93,6 +93,11 @@ class Sequence:
         return self.dropped
 
     @property
+    def shared_prefix(self) -> int:
+        """The tokens of ``fork_prefix`` the sequence still holds: a window's sinks at least."""
+        return min(self.fork_prefix, self.kv_len)
+
+    @property
     def gap(self) -> int:
         """Slots between the sink and the window's first kept slot (slid out, not yet freed)."""
         return self.window_start - self.sink_end
@@ -255,7 +260,7 @@ class SequenceTable:
             seq.slid,
             len(seq.tree_parent),
             seq.poppable,
-            min(seq.fork_prefix, seq.kv_len),
+            seq.shared_prefix,
         )
 
     # ------------------------------------------------------------------ changes (validated by the caller)
@@ -327,7 +332,7 @@ class SequenceTable:
         fork where those are more (TVM's cache never slides a block that forks share), and fewer than the window
         (a fork of a windowed sequence may share more; TVM's cache breaks there, tvmkv keeps window - 1)."""
         if seq.window and not seq.dropped:
-            sink = min(max(seq.sink, min(seq.fork_prefix, seq.kv_len)), seq.window - 1)
+            sink = min(max(seq.sink, seq.shared_prefix), seq.window - 1)
             if (seq.sink_end, seq.window_start) != (sink, sink):
                 seq.sink_end = seq.window_start = sink
                 seq.stamp = 0  # (a kept decode plan's record of it is out of date)
