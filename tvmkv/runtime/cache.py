@@ -686,17 +686,17 @@ class PagedAttentionKVCache:
             run_layer(fwd, self._page_args[layer], qkv, o, sm_scale, window)
             self._ran[layer] = self._step
             return o
-        more_qkv = _more_rows(qkv, fwd.qkv_shape)
-        more_out = out is not None and _more_rows(out, fwd.o_shape)
-        if more_qkv or more_out:  # buffers with rows to spare (TVM's cache takes them): their first rows, as views
-            whole = out  # (a buffer with too few rows is passed on as it is, for the checks to name)
-            qkv = _first_rows(qkv, fwd.total) if more_qkv else qkv
-            out = _first_rows(out, fwd.total) if more_out else out
-            result = self.attention_with_fused_qkv(layer_id, qkv, sm_scale, out)
-            return result if whole is None else whole
         if out is not None and self._torch_ok(qkv, fwd.qkv_shape) and self._torch_ok(out, fwd.o_shape):
             kind = "torch"  # a model's torch tensors, of a kind an earlier call checked in full
         else:
+            more_qkv = _more_rows(qkv, fwd.qkv_shape)
+            more_out = out is not None and _more_rows(out, fwd.o_shape)
+            if more_qkv or more_out:  # rows to spare (TVM's cache takes them): their first rows, as views
+                whole = out  # (a buffer with too few rows is passed on as it is, for the checks to name)
+                qkv = _first_rows(qkv, fwd.total) if more_qkv else qkv
+                out = _first_rows(out, fwd.total) if more_out else out
+                result = self.attention_with_fused_qkv(layer_id, qkv, sm_scale, out)
+                return result if whole is None else whole
             kind = self._check_array(qkv, "qkv", fwd.qkv_shape)
             if out is not None:
                 self._check_out(out, kind, "qkv", fwd.o_shape)
