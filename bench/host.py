@@ -130,7 +130,7 @@ class _StubLibrary:
         return getattr(self.module, "mod", self.module).implements_function(name)
 
 
-def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, device_planning=True):
+def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, device_planning=True, layers=1):
     import tvmkv.build
     from tvmkv import PagedAttentionKVCache
 
@@ -138,7 +138,7 @@ def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, device_pla
     tvmkv.build.load_kernels = lambda *a, **k: _StubLibrary(libs[0])  # no real kernels needed
     try:
         cache = PagedAttentionKVCache(
-            1,
+            layers,
             H_QO,
             H_KV,
             D,
@@ -169,7 +169,7 @@ def make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, device_pla
     return cache, Ops
 
 
-def make_tvm(libs, device, batch, max_total, chunk):
+def make_tvm(libs, device, batch, max_total, chunk, layers=1):
     import tvm
     import tvm_ffi
 
@@ -180,7 +180,7 @@ def make_tvm(libs, device, batch, max_total, chunk):
         max_batch=batch,
         max_total=max_total,
         chunk=chunk,
-        num_layers=1,
+        num_layers=layers,
         h_qo=H_QO,
         h_kv=H_KV,
         d=D,
@@ -271,7 +271,7 @@ class Churn:
             self.lengths[s] += 1
 
 
-def run_pair(libs, target_kind, batch, capacity_factor, steps, *, churn="", block=10) -> list:
+def run_pair(libs, target_kind, batch, capacity_factor, steps, *, churn="", block=10, layers=1) -> list:
     """Median µs per decode step (and per phase) of TVM's cache and tvmkv for one batch and pool size.
 
     Both caches live in this process and run in alternating blocks of ``block`` steps, so load from
@@ -286,11 +286,11 @@ def run_pair(libs, target_kind, batch, capacity_factor, steps, *, churn="", bloc
     num_pages = -(-max_total // P) + batch
     chunk = HISTORY
     impls = {
-        "tvm": make_tvm(libs, device, batch, max_total, chunk),
-        "tvmkv": make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk),
+        "tvm": make_tvm(libs, device, batch, max_total, chunk, layers),
+        "tvmkv": make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, layers=layers),
     }
     if churn:  # the same cache planning changed batches on the host (device_planning=False)
-        impls["tvmkv_host"] = make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, False)
+        impls["tvmkv_host"] = make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, False, layers)
     ids = list(range(batch))
     qkv = tvm.runtime.tensor(np.zeros((batch, H_QO + 2 * H_KV, D), DTYPE), device)
     out = tvm.runtime.empty((batch, H_QO, D), DTYPE, device)
@@ -350,7 +350,8 @@ def render(rows, meta) -> str:
         "",
         f"Measured {meta['date']} on `{meta['host']}` ({meta['cpu']}, {meta['ncpu']} CPUs, load average "
         f"{meta['load']:.1f}), target `{meta['target']}`{', ' + meta['device'] if meta.get('device') else ''}, "
-        f"TVM {meta['tvm']}. One decode step = begin_forward (plan + page-table upload) + one attention "
+        f"TVM {meta['tvm']}, {meta.get('layers', 1)} layer{'s' if meta.get('layers', 1) > 1 else ''}. One decode "
+        f"step = begin_forward (plan + page-table upload) + one attention "
         f"call (layer 0) + end_forward; {HISTORY}-token histories; stub kernels (real signatures, empty "
         "bodies) in both caches, so this is host overhead only. Median µs over "
         f"{meta['steps']} steps; the caches run in alternating blocks of 10 steps in one process, so "
@@ -426,7 +427,7 @@ def render(rows, meta) -> str:
         "is looked for only when some last page is in the pool's set of shared pages, and Python runs per "
         "sequence only for those that get a page (`struct` writes that run). Batch 1 "
         "with its order flipped is the same batch (the fast path). The fork rows' begin_forward includes "
-        "the copy of the shared page (one `copy_page` launch per layer); TVM's cache copies in "
+        "the copy of the shared page (one `copy_page_layers` launch for every layer); TVM's cache copies in "
         "`fork_sequence`, which is not timed. Prefill, mixed and token-tree steps take the general path "
         "(`plan.plan_step`), not timed here.",
     ]
@@ -437,6 +438,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", choices=("llvm", "cuda"), default="llvm")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument(
+        "--layers", type=int, default=1, help="layers of both caches (a fork's copy-on-write copies every layer)"
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--capacity", type=int, nargs="+", default=[1, 4], help="pool size factors")
     ap.add_argument(
@@ -461,7 +465,7 @@ def main(argv=None) -> int:
     cases += [(b, 1, kind) for kind in args.churn_kinds for b in args.churn]
     for b, cf, churn in cases:
         try:
-            pair = run_pair(libs, args.target, b, cf, args.steps, churn=churn)
+            pair = run_pair(libs, args.target, b, cf, args.steps, churn=churn, layers=args.layers)
         except Exception as err:  # noqa: BLE001 - report and go on
             import traceback
 
@@ -475,7 +479,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
         rows += pair
-    meta = {**machine_meta(args.target), "steps": args.steps}
+    meta = {**machine_meta(args.target), "steps": args.steps, "layers": args.layers}
     table = render(rows, meta)
     print(table)
     if args.out:

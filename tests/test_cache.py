@@ -49,6 +49,40 @@ def test_bfloat16_replay(target):
     assert cache.num_available_pages() == cache.config.total_pages
 
 
+@pytest.mark.parametrize("kv_dtype", ["", "float8_e4m3fn"])
+def test_fork_inside_a_page_copies_every_layer(target, kv_dtype):
+    """Copy-on-write of a fork's shared partial page (one ``copy_page_layers`` launch for all layers)
+    gives every layer of the child the parent's K/V, and leaves the parent's page alone: checked
+    against the K/V each layer was given, after both sequences wrote their own next token."""
+    cache = make_cache(target, num_layers=3, page_size=8, dtype="float16" if kv_dtype else "float32", kv_dtype=kv_dtype)
+    cfg, rng = cache.config, np.random.default_rng(3)
+    H, D = cfg.num_kv_heads, cfg.head_dim
+
+    def step(ids, lengths):
+        cache.begin_forward(ids, lengths)
+        given = []
+        for layer in range(cfg.num_layers):
+            qkv = rng.uniform(-1, 1, (sum(lengths), cfg.qkv_heads, D)).astype(numpy_dtype(cfg.dtype))
+            cache.attention_with_fused_qkv(layer, qkv)
+            given.append(qkv[:, cfg.num_qo_heads :].astype(np.float32))  # [n, 2 H, D]: K heads, V heads
+        cache.end_forward()
+        return np.stack(given)  # [layers, n, 2 H, D]
+
+    cache.add_sequence(0)
+    history = step([0], [13])  # pages: 8 + 5 slots
+    cache.fork_sequence(0, 1, 11)  # shares page 0 whole and 3 of page 1's slots
+    new = step([1, 0], [1, 1])  # the child copies its 3 shared slots, then both append
+    child = np.concatenate([history[:, :11], new[:, :1]], axis=1)
+    parent = np.concatenate([history, new[:, 1:]], axis=1)
+    tol = {"atol": 0.07, "rtol": 0} if kv_dtype else {"atol": 0, "rtol": 0}  # e4m3: 3 mantissa bits
+    for sid, want in ((1, child), (0, parent)):
+        k, v = cache.debug_get_kv(sid)
+        assert k.shape == (cfg.num_layers, want.shape[1], H, D)
+        np.testing.assert_allclose(k, want[:, :, :H], **tol, err_msg=f"K of sequence {sid}")
+        np.testing.assert_allclose(v, want[:, :, H:], **tol, err_msg=f"V of sequence {sid}")
+    cache.check_integrity()
+
+
 # ------------------------------------------------------------------------------------------- misuse
 def snapshot(cache, start=0):
     """Free pages, lengths and stored K/V from position ``start`` on of every sequence."""

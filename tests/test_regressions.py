@@ -392,3 +392,44 @@ def test_qkv_and_out_with_rows_to_spare_use_their_first_rows(kind):
     with pytest.raises(ValueError, match=r"out has shape \(1, 4, 16\); expected \(2, 4, 16\)"):
         cache.attention_with_fused_qkv(0, q_in, out=wrap(out[:1].copy()))  # spare qkv rows, too few out rows
     cache.end_forward()
+
+
+def test_pages_holding_uncommitted_tree_nodes_cannot_be_shared():
+    """A token-tree commit compacts the accepted nodes in place. add_sequence_with_pages took the page
+    holding another sequence's uncommitted nodes, and that sequence's commit then rewrote the new
+    sequence's tokens. Such pages are refused now (nothing changes); once committed they can be shared,
+    and the sharer keeps exactly the K/V it was given."""
+    rng = np.random.default_rng(6)
+    cache = _cache(page_size=8)
+    cache.add_sequence(0)
+    _prefill(cache, 0, 3, rng)
+    cache.begin_forward([0], [3], [-1, -1, 1])  # nodes in slots 3..5 of page 0
+    cache.attention_with_fused_qkv(0, rng.standard_normal((3, H_QO + 2 * H_KV, D)).astype(np.float32))
+    cache.end_forward()
+    pages, free = cache.sequence_pages(0), cache.num_available_pages()
+    with pytest.raises(ValueError, match=r"page \d+ holds uncommitted token-tree nodes of sequence 0"):
+        cache.add_sequence_with_pages(1, pages, 6)
+    assert cache.sequence_ids() == [0] and cache.num_available_pages() == free
+    cache.commit_accepted_token_tree_nodes([0], [2])  # path [1, 2]: slots 3, 4
+    k0, v0 = cache.debug_get_kv(0)
+    cache.add_sequence_with_pages(1, cache.sequence_pages(0), 5)
+    k1, v1 = cache.debug_get_kv(1)
+    np.testing.assert_array_equal(k1, k0)
+    np.testing.assert_array_equal(v1, v0)
+    cache.check_integrity()
+
+
+def test_sequence_ids_outside_int64_are_refused_where_they_are_created():
+    """``add_sequence(2**63)`` was accepted and broke ``table_digest`` (and so ShardedKVCache's and
+    Disco's integrity checks) later with an OverflowError naming nothing. TVM's ids are int64."""
+    cache = _cache()
+    for bad in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match=rf"seq_id {bad} is outside int64"):
+            cache.add_sequence(bad)
+    cache.add_sequence(2**63 - 1)
+    cache.add_sequence(-(2**63))
+    with pytest.raises(ValueError, match=r"child_seq_id 18446744073709551616 is outside int64"):
+        cache.fork_sequence(2**63 - 1, 2**64)
+    assert sorted(cache.sequence_ids()) == [-(2**63), 2**63 - 1]
+    assert isinstance(cache.table_digest(), str)
+    cache.check_integrity()

@@ -283,6 +283,13 @@ class PagedAttentionKVCache:
         self._launcher = Launcher(cfg, device, self.kernels, num_sms)
         zeros = np.zeros(cfg.page_shape, tensors.numpy_dtype(cfg.page_dtype))
         self.pages = [tvm.runtime.tensor(zeros, device) for _ in range(cfg.num_layers)]
+        # where each layer's page array starts on the device: copy_page_layers copies a page in every
+        # layer in one launch (libraries built before it have only the per-layer copy)
+        self._layer_pages = (
+            tvm.runtime.tensor(np.array([p.data_ptr() for p in self.pages], np.uint64), device)
+            if "copy_page_layers" in self.kernels
+            else None
+        )
         # fp8 pages: each layer's kv_scale [2, H_kv] (docs/layout.md, "fp8 pages"), passed after its pages
         self._kv = KvScales(cfg, device) if cfg.fp8_pages else None
         self._calibrating = False  # a copy of KvScales.calibrating, kept current (read on every attention call)
@@ -401,7 +408,8 @@ class PagedAttentionKVCache:
         """Add ``seq_id`` holding ``length`` tokens that already sit in ``pages`` (page ``i`` holds
         positions ``[i P, (i + 1) P)``, docs/layout.md); each page must be held already (by a sequence
         or a page holder) and gains a reference. A partial last page is shared like any other and
-        copied on the sequence's first write into it (copy-on-write in ``begin_forward``).
+        copied on the sequence's first write into it (copy-on-write in ``begin_forward``). Pages that hold
+        another sequence's uncommitted token-tree nodes are refused (its commit rewrites them in place).
         Raises KeyError / TypeError, ValueError, ForwardStateError before changing anything."""
         seq_id = self._table.check_new(seq_id)
         self.require_no_forward("add_sequence_with_pages")
@@ -412,6 +420,13 @@ class PagedAttentionKVCache:
             raise ValueError(f"{len(pages)} pages cannot hold length {length}; pass ceil(length / {P}) pages")
         if len(set(pages)) != len(pages) or any(not 0 <= p < total or self.pool.ref_count(p) < 1 for p in pages):
             raise ValueError(f"pages {pages[:8]} must be distinct page ids in [0, {total}) that are held already")
+        tree = self._table.tree_pages()
+        hit = next((p for p in pages if p in tree), None)
+        if hit is not None:
+            raise ValueError(
+                f"page {hit} holds uncommitted token-tree nodes of sequence {tree[hit]}, which its commit "
+                "rewrites in place; commit (or pop_n) that tree first"
+            )
         self.pool.hold(pages)
         self._table.add(seq_id, pages, length)
 
@@ -1526,6 +1541,9 @@ class PagedAttentionKVCache:
 
     # ------------------------------------------------------------------ internals
     def _copy_page(self, src: int, dst: int, num_slots: int) -> None:
+        if self._layer_pages is not None:
+            self.kernels["copy_page_layers"](self._layer_pages, src, dst, num_slots)
+            return
         for layer in range(self.config.num_layers):
             self.kernels["mla_copy_page" if self._mla else "copy_page"](self.pages[layer], src, dst, num_slots)
 

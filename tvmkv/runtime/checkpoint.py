@@ -63,7 +63,7 @@ import numpy as np
 from ..errors import OutOfPagesError
 from . import tensors
 from .kv_scales import adoptable
-from .sequences import as_int, check_id
+from .sequences import as_int, check_id, check_new_id_range
 
 FORMAT_VERSION = 1
 CACHE_TYPE = "relax.vm.PagedAttentionKVCache"  # TVM's runtime name, so that TVM's caches accept ours
@@ -201,8 +201,8 @@ class ImportReservations:
 
 
 def check_new_id(cache, seq_id, what: str) -> int:
-    """``seq_id`` as an int that neither the cache nor a pending import uses (KeyError otherwise)."""
-    seq_id = check_id(seq_id)
+    """``seq_id`` as an int64 that neither the cache nor a pending import uses (KeyError otherwise)."""
+    seq_id = check_new_id_range(seq_id)
     if seq_id in pending_imports(cache):
         raise KeyError(
             f"sequence {seq_id} is already being imported; finish_import({seq_id}) or abort_import({seq_id}) first"

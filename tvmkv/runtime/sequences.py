@@ -33,9 +33,21 @@ def as_int(value, name: str) -> int:
         raise TypeError(f"{name}={value!r} must be an int") from None
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 def check_id(seq_id, name: str = "seq_id") -> int:
     """The one id rule of every method: a sequence id is an int (not a bool or a float)."""
     return seq_id if type(seq_id) is int else as_int(seq_id, name)
+
+
+def check_new_id_range(seq_id, name: str = "seq_id") -> int:
+    """:func:`check_id`, and an id a new sequence may take: int64, as TVM's sequence ids (and the
+    integrity digest's records) are. Ids outside it can then never be found, only refused."""
+    seq_id = check_id(seq_id, name)
+    if not _INT64_MIN <= seq_id <= _INT64_MAX:
+        raise ValueError(f"{name} {seq_id} is outside int64 [{_INT64_MIN}, {_INT64_MAX}]; pick an id in that range")
+    return seq_id
 
 
 @dataclass(slots=True)
@@ -241,12 +253,21 @@ class SequenceTable:
         return False
 
     def check_new(self, seq_id, name: str = "seq_id") -> int:
-        seq_id = check_id(seq_id, name)
+        seq_id = check_new_id_range(seq_id, name)
         if seq_id in self.resident or seq_id in self.swapped:
             raise KeyError(f"{name} {seq_id} is already in the cache; remove it first or pick another id")
         if seq_id in self.reserved:
             raise KeyError(f"{name} {seq_id} is taken: {self.reserved[seq_id][0]}; pick another id")
         return seq_id
+
+    def tree_pages(self) -> dict:
+        """``{page: seq_id}`` of the pages that hold uncommitted token-tree nodes (a commit compacts
+        them in place, so no other sequence may share them)."""
+        P, out = self.page_size, {}
+        for sid, seq in self.resident.items():
+            if seq.tree_parent:
+                out.update(dict.fromkeys(seq.pages[seq.tree_start // P :].tolist(), sid))
+        return out
 
     def info(self, seq_id) -> SequenceInfo:
         seq_id = check_id(seq_id)

@@ -21,7 +21,7 @@ Modules:
 * data movement: ``append`` (and ``append_qkv``, reading the fused qkv), ``rope`` (``split_rope``,
   ``rope_q``, ``split_rope_append`` = split_rope + append in one kernel; their RoPE variants are described
   by ``rope_scaling``'s :class:`RopeScaling`, plain Python), ``merge`` (``merge_state``,
-  ``merge_splits``), ``page_ops`` (``copy_page``, ``compact_copy``, ``gather``, ``gather_pages``,
+  ``merge_splits``), ``page_ops`` (``copy_page``, ``copy_page_layers``, ``compact_copy``, ``gather``, ``gather_pages``,
   ``scatter_pages``; with fp8 pages ``requantize_pages``).
 * interop family (built lazily, not in :func:`kernel_set`): ``interop`` (copies to and from foreign
   layouts) and ``foreign_layouts`` (:data:`LAYOUTS`, :func:`foreign_shape`; no TVM import).
@@ -34,7 +34,7 @@ from __future__ import annotations
 from .decode_layout import small_batch_granule, split_granule
 from .foreign_layouts import LAYOUTS, foreign_shape
 from .rope_scaling import RopeScaling
-from .spec import KernelSpec
+from .spec import KernelSpec, dtype_bytes
 
 ROPE_MODES = ("none", "normal", "inline")
 
@@ -67,6 +67,7 @@ def kernel_set(
     do the same with the layout of steps whose blocks fill the SMs at most once (:func:`small_batch_granule`).
     """
     from . import append, decode, merge, page_ops, plan_ops, prefill, ragged, rope
+    from ._kernel_common import func_attrs
 
     if rope_mode not in ROPE_MODES:
         raise ValueError(f"rope_mode={rope_mode!r} is not one of {ROPE_MODES}")
@@ -95,6 +96,13 @@ def kernel_set(
         "merge_state": merge.make_merge_state(spec),
         "merge_splits": merge.make_merge_splits(spec),
         "copy_page": page_ops.make_copy_page(spec),
+        "copy_page_layers": page_ops.make_copy_page_layers(
+            2 * spec.num_kv_heads,
+            spec.page_size,
+            spec.head_dim * dtype_bytes(spec.page_dtype),
+            is_cpu=spec.is_cpu,
+            attrs=func_attrs(spec),
+        ),
         "compact_copy": page_ops.make_compact_copy(spec),
         "gather": page_ops.make_gather(spec),
         "gather_pages": page_ops.make_gather_pages(spec),

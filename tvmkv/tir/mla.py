@@ -65,6 +65,7 @@ from .mla_layout import (
     use_tensor_cores,
     wgmma_heads,
 )
+from .page_ops import make_copy_page_layers
 from .prefill_cuda import CVT as RDV_CVT
 from .prefill_cuda import lane_kmajor_b, lane_rowmajor16, load_rc, tile_start
 from .spec import MlaSpec, dtype_bytes
@@ -1748,8 +1749,9 @@ def make_ragged_attention_dv(
 def kernel_set(spec: MlaSpec, arch: str | None = None) -> dict:
     """Every kernel of an MLA cache configuration, by name: ``mla_append``, ``mla_attention``,
     ``mla_attention_split`` and ``mla_merge_splits`` (flash-decoding over key chunks), ``mla_gather``,
-    ``mla_copy_page``, ``merge_any``, and ``ragged_attention_dv`` when ``spec`` has self attention
-    dims. ``arch``: the CUDA arch they are built for (sm_90: warpgroup-MMA attention)."""
+    ``mla_copy_page``, ``copy_page_layers`` (every layer's copy in one launch), ``merge_any``, and
+    ``ragged_attention_dv`` when ``spec`` has self attention dims. ``arch``: the CUDA arch they are built
+    for (sm_90: warpgroup-MMA attention)."""
     if not isinstance(spec, MlaSpec):
         raise TypeError(f"tvmkv.tir.mla.kernel_set takes an MlaSpec, got {type(spec).__name__}")
     kernels = {
@@ -1757,6 +1759,9 @@ def kernel_set(spec: MlaSpec, arch: str | None = None) -> dict:
         "mla_attention": make_mla_attention(spec, arch=arch),
         "mla_gather": make_mla_gather(spec),
         "mla_copy_page": make_mla_copy_page(spec),
+        "copy_page_layers": make_copy_page_layers(
+            1, spec.page_size, spec.head_dim * dtype_bytes(spec.dtype), is_cpu=spec.is_cpu, attrs=_attrs(spec)
+        ),
         "merge_any": make_merge_any(spec),
         "mla_attention_split": make_mla_attention(spec, split=True, arch=arch),
         "mla_merge_splits": make_mla_merge_splits(spec),

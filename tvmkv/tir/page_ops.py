@@ -13,9 +13,10 @@ copied as their codes, never converted (:mod:`tvmkv.tir.fp8`).
 
 from __future__ import annotations
 
+import tvm
 from tvm.script import tirx as T
 
-from ._kernel_common import func_attrs, heads_per_block, macro
+from ._kernel_common import MAX_THREADS, func_attrs, heads_per_block, macro
 from .fp8 import kv_scale_buffer, page_code, page_value, with_kv_scale, zero
 from .spec import KernelSpec
 
@@ -72,6 +73,69 @@ def make_copy_page(spec: KernelSpec):
                             pages[dst_page, hb // HB, h, j, d] = pages[src_page, hb // HB, h, j, d]
 
     return copy_page_func(spec, cpu_body if spec.is_cpu else gpu_body)
+
+
+def make_copy_page_layers(rows: int, page_size: int, row_bytes: int, *, is_cpu: bool, attrs: dict):
+    """``copy_page_layers(layer_pages, src_page, dst_page, num_slots)``: :func:`make_copy_page`'s copy in
+    every layer at once, one launch instead of one per layer (copy-on-write of a forked sequence's
+    last page happens in every layer).
+
+    A page of one layer is ``rows`` runs of ``page_size`` slots of ``row_bytes`` bytes each (the
+    paged layout: ``rows = 2 H_kv``, ``row_bytes = D x element size``; MLA pages: ``rows = 1``);
+    docs/layout.md, "Pages". The kernel copies bytes, so it serves every page dtype (fp8 codes are
+    copied as they are).
+
+    Parameters
+    ----------
+    layer_pages : [num_layers], uint64
+        The device address of each layer's page array (``Tensor.data_ptr()``, start of page 0), on the
+        pages' device; every array is **written in place**:
+        ``pages[dst_page, ..., :num_slots, :] = pages[src_page, ..., :num_slots, :]``.
+    src_page, dst_page : int32
+        Page ids (``src_page != dst_page``; the caller checks the range).
+    num_slots : int32
+        Slots to copy, ``0 <= num_slots <= page_size`` (larger values are clipped).
+    """
+    P = page_size
+    unit, U = ("uint32", 4) if row_bytes % 16 == 0 else ("uint32", 1) if row_bytes % 4 == 0 else ("uint8", 1)
+    W = row_bytes // (4 if unit == "uint32" else 1)  # units per slot row
+    page_units = rows * P * W
+    ptr_type = tvm.ir.PointerType(tvm.ir.PrimType(unit), "global")
+    TX = max(1, W // U)  # threads over one slot row (U units each)
+    TY = max(1, min(rows, MAX_THREADS // TX))
+    RB = (rows + TY - 1) // TY
+
+    @T.prim_func
+    def copy_page_layers(var_layer_pages: T.handle, src_page: T.int32, dst_page: T.int32, num_slots: T.int32):
+        T.func_attr(attrs)
+        L = T.int32()
+        layer_pages = T.match_buffer(var_layer_pages, (L,), "uint64")
+        if is_cpu:
+            for lr in T.parallel(L * rows):
+                base: T.let[T.handle(unit, "global")] = T.reinterpret(ptr_type, layer_pages[lr // rows])
+                pages = T.decl_buffer((1,), unit, data=base)
+                src = T.meta_var(T.int64(src_page) * page_units + lr % rows * (P * W))
+                dst = T.meta_var(T.int64(dst_page) * page_units + lr % rows * (P * W))
+                for j in T.serial(T.min(num_slots, P)):
+                    for w in T.vectorized(W):
+                        pages[dst + j * W + w] = pages[src + j * W + w]
+        else:
+            for layer in T.thread_binding(L, thread="blockIdx.z"):
+                for j in T.thread_binding(P, thread="blockIdx.x"):
+                    for rb in T.thread_binding(RB, thread="blockIdx.y"):
+                        for ty in T.thread_binding(TY, thread="threadIdx.y"):
+                            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                                base: T.let[T.handle(unit, "global")] = T.reinterpret(ptr_type, layer_pages[layer])
+                                pages = T.decl_buffer((1,), unit, data=base)
+                                r = T.meta_var(rb * TY + ty)
+                                at = T.meta_var(r * (P * W) + j * W + tx * U)
+                                if j < num_slots and r < rows:
+                                    for u in T.vectorized(U):
+                                        pages[T.int64(dst_page) * page_units + at + u] = pages[
+                                            T.int64(src_page) * page_units + at + u
+                                        ]
+
+    return copy_page_layers
 
 
 def compact_copy_func(spec: KernelSpec, body):
