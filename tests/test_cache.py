@@ -338,17 +338,21 @@ def test_capacity_sizing():
         tvmkv.PagedAttentionKVCache(64, 4, 2, 256, page_size=256, dtype="float32", num_pages=1 << 20)
 
 
-def test_seq_ids_any_int_and_bool_rejected(target):
+def test_seq_ids_any_int64_and_bool_rejected(target):
+    """Any int64 is an id (TVM's ids are int64), NumPy integers too; bools, floats and ints beyond int64
+    are refused."""
     cache = make_cache(target, group=1)
     rng = np.random.default_rng(7)
-    for sid in (-5, 2**70, np.int64(3)):
+    for sid in (-5, 2**63 - 1, np.int64(3)):
         cache.add_sequence(sid)
-    run_forward(cache, rng, [-5, 2**70, 3], [2, 1, 3])
-    assert cache.sequence_length(2**70) == 1
+    run_forward(cache, rng, [-5, 2**63 - 1, 3], [2, 1, 3])
+    assert cache.sequence_length(2**63 - 1) == 1
     with pytest.raises(TypeError):
         cache.add_sequence(True)
     with pytest.raises(TypeError):
         cache.add_sequence(1.5)
+    with pytest.raises(ValueError, match="outside int64"):
+        cache.add_sequence(2**70)
 
 
 def test_nan_stays_in_its_sequence(target):

@@ -334,6 +334,7 @@ def test_kernel_set_names():
         "mla_merge_splits",
         "mla_gather",
         "mla_copy_page",
+        "copy_page_layers",
         "merge_any",
     }
     assert set(mla.kernel_set(MlaSpec(8, 32, 16, 4, "float16", "llvm"))) == base
