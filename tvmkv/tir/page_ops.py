@@ -102,6 +102,10 @@ def make_copy_page_layers(rows: int, page_size: int, row_bytes: int, *, is_cpu: 
     page_units = rows * P * W
     ptr_type = tvm.ir.PointerType(tvm.ir.PrimType(unit), "global")
     TX = max(1, W // U)  # threads over one slot row (U units each)
+    if TX > MAX_THREADS:
+        raise ValueError(
+            f"copy_page_layers: slot rows of {row_bytes} bytes need {TX} threads, more than a block's {MAX_THREADS}"
+        )
     TY = max(1, min(rows, MAX_THREADS // TX))
     RB = (rows + TY - 1) // TY
 
