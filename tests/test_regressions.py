@@ -433,3 +433,42 @@ def test_sequence_ids_outside_int64_are_refused_where_they_are_created():
     assert sorted(cache.sequence_ids()) == [-(2**63), 2**63 - 1]
     assert isinstance(cache.table_digest(), str)
     cache.check_integrity()
+
+
+def test_pipeline_stage_with_fp8_pages_checkpoints_and_moves():
+    """A cache holding layers 2..3 of a model (``first_layer=2``) with fp8 pages: checkpoints and
+    transfers named its layers 0..1 where the fp8 scale calls take the model's ids (every call raised
+    "layer_id 0 is out of range [2, 4)"), and a move into a cache of another stage went through,
+    putting layers 0..1's K/V in layers 2..3. Round trips now restore the codes exactly; another stage
+    is refused by name."""
+    from tvmkv.runtime import checkpoint, transfer
+
+    scales = np.full((2, H_KV), 0.05, np.float32)
+
+    def stage(first):
+        return tvmkv.PagedAttentionKVCache(
+            2, H_QO, H_KV, D, page_size=P, max_batch_size=4, max_total_seq_len=64, prefill_chunk_size=32,
+            dtype="float16", kv_dtype="float8_e4m3fn", first_layer=first, kv_scales=scales,
+        )  # fmt: skip
+
+    rng = np.random.default_rng(9)
+    a = stage(2)
+    a.add_sequence(0)
+    a.begin_forward([0], [6])
+    for layer in (2, 3):
+        a.attention_with_fused_qkv(layer, rng.standard_normal((6, H_QO + 2 * H_KV, D)).astype(np.float16))
+    a.end_forward()
+    k, v = a.debug_get_kv(0)
+    b = stage(2)
+    checkpoint.import_checkpoint(b, 4, checkpoint.export_checkpoint(a, 0))
+    assert transfer.move_sequence(a, 0, b, 5) == 5
+    for sid in (4, 5):
+        kb, vb = b.debug_get_kv(sid)
+        np.testing.assert_array_equal(kb, k)
+        np.testing.assert_array_equal(vb, v)
+    other, free = stage(0), None
+    free = other.num_available_pages()
+    with pytest.raises(ValueError, match="first_layer is 2 on the sender but 0 on the receiver"):
+        transfer.move_sequence(a, 0, other, 5)
+    assert other.sequence_ids() == [] and other.num_available_pages() == free
+    b.check_integrity()

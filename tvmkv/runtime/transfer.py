@@ -38,7 +38,7 @@ __all__ = ["Receive", "check_compatible", "move_sequence", "prepare_receive", "s
 # Configuration fields the stored K/V depends on (capacity, batch and target may differ); the RoPE
 # variant ones (partial rotary, llama3 / yarn scaling) rotate K differently under rope_mode "normal".
 _FIELDS = (
-    *("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "kv_dtype"),
+    *("num_layers", "first_layer", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype", "kv_dtype"),
     *("rope_mode", "rope_scale", "rope_theta", "rotary_dim", "rope_scaling"),
     *("kv_lora_rank", "qk_rope_head_dim"),  # MLA caches move their latent pages the same way
 )
@@ -163,7 +163,8 @@ def send_sequence(sender, seq_id, recv: Receive) -> None:
     for layer in range(sender.config.num_layers):
         copy_pages(sender, sender.pages[layer], seq.pages, recv.cache.pages[layer], rec.pages)
         if fp8:  # codes stored under the sender's scales, now under the receiver's
-            recv.cache.requantize_pages(layer, rec.pages, sender.kv_scales(layer))
+            model_layer = sender.config.first_layer + layer  # (the same stage on both: check_compatible)
+            recv.cache.requantize_pages(model_layer, rec.pages, sender.kv_scales(model_layer))
     rec.imported[:] = [True] * len(rec.imported)
     recv.sent = True
 
@@ -182,7 +183,8 @@ def move_sequence(sender, seq_id, receiver, receiver_seq_id=None, *, remove: boo
     fits = -(-seq.length // receiver.config.page_size) <= receiver.num_available_pages()
     if getattr(sender.config, "fp8_pages", False) and receiver.holds_no_token() and fits:  # codes move unchanged
         for layer in range(sender.config.num_layers):
-            receiver.set_kv_scales(layer, *adoptable(sender.kv_scales(layer)))
+            model_layer = sender.config.first_layer + layer
+            receiver.set_kv_scales(model_layer, *adoptable(sender.kv_scales(model_layer)))
     recv = prepare_receive(receiver, target, seq.length)
     with recv:
         send_sequence(sender, seq_id, recv)
