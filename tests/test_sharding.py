@@ -393,3 +393,24 @@ def test_pipeline_stage_holds_its_layers_under_the_model_ids(scenario):
     assert "layer_begin=2;layer_end=4;" in layout_descriptor(cache)  # TVM's checkpoint fields of a stage
     with pytest.raises(ValueError, match="first_layer=-1 must be an int >= 0"):
         make_cache(first_layer=-1)
+
+
+def test_sharded_cache_digest_and_subsystems_that_take_one_cache():
+    """``table_digest`` is the shards' common digest, and the subsystems that take one
+    PagedAttentionKVCache (checkpoints, transfers, interop, the prefix cache) say so when given the
+    sharded cache (they failed with "'ShardedKVCache' object has no attribute 'pool'")."""
+    from tvmkv.runtime import checkpoint, transfer
+
+    sharded = make_sharded_cache(2)
+    sharded.add_sequence(0)
+    assert sharded.table_digest() == sharded.shards[0].table_digest() == sharded.shards[1].table_digest()
+    single = make_cache()
+    for call in (
+        lambda: checkpoint.export_checkpoint(sharded, 0),
+        lambda: transfer.move_sequence(sharded, 0, single),
+        lambda: tvmkv.RadixPrefixCache(sharded),
+    ):
+        with pytest.raises(AttributeError, match=r"pass each shard \(sharded.shards\[i\]"):
+            call()
+    assert single.sequence_ids() == [] and sharded.sequence_ids() == [0]
+    checkpoint.export_checkpoint(sharded.shards[1], 0)  # what the message asks for works

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import NoReturn
 
 import numpy as np
 
@@ -81,6 +82,16 @@ class ShardedKVCache:
     @property
     def num_shards(self) -> int:
         return self.layout.num_shards
+
+    def __getattr__(self, name: str) -> NoReturn:
+        # only for names the class lacks: the subsystems that take one cache (checkpoints, transfers,
+        # interop, RadixPrefixCache) reach for a PagedAttentionKVCache's own parts (pool, pages, device)
+        if name.startswith("__") or name in ("layout", "shards", "config"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"ShardedKVCache has no {name!r}: checkpoints, transfers, interop and RadixPrefixCache take one "
+            "PagedAttentionKVCache; pass each shard (sharded.shards[i], its heads: sharded.layout) instead"
+        )
 
     # ------------------------------------------------------------------ lockstep
     def _each(self, name: str, *args, **kwargs):
@@ -308,10 +319,16 @@ class ShardedKVCache:
                 shard.check_integrity()
             except IntegrityError as err:
                 raise IntegrityError(f"shard {s}: {err}") from err
+        self.table_digest()
+
+    def table_digest(self) -> str:
+        """The shards' common :meth:`~PagedAttentionKVCache.table_digest` (they keep the same bookkeeping);
+        :class:`ShardDivergenceError` naming the first shard that differs from shard 0."""
         ref = self.shards[0].table_digest()
         for s, shard in enumerate(self.shards[1:], 1):
             if shard.table_digest() != ref:
                 raise ShardDivergenceError(s, first_difference(self.shards[0], shard))
+        return ref
 
 
 def _all_finite(x, kind: str) -> bool:
