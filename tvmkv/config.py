@@ -147,6 +147,12 @@ class CacheConfig:
             raise ValueError(f"device_id={self.device_id} applies to target 'cuda' only; leave it 0 on the CPU")
 
     @property
+    def layer_ids(self) -> range:
+        """The model's ids of this cache's layers, in order (``first_layer`` on): what the per-layer calls
+        (``attention_with_fused_qkv``, ``kv_scales``, ``requantize_pages``, ...) take for local layer ``i``."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
     def is_mla(self) -> bool:
         """Whether every layer is an MLA layer (``kv_lora_rank > 0``)."""
         return self.kv_lora_rank > 0

@@ -486,13 +486,9 @@ def checkpoint_metadata(cache, seq_id) -> str:
                 "dtype": cfg.page_dtype,
                 "shape": list(page_group_shape(cache, m)),
                 "nbytes": m * cfg.page_bytes,
-                **(
-                    {"kv_scale": [[float(x) for x in row] for row in cache.kv_scales(cfg.first_layer + g)]}
-                    if _fp8(cache)
-                    else {}
-                ),
+                **({"kv_scale": [[float(x) for x in row] for row in cache.kv_scales(layer)]} if _fp8(cache) else {}),
             }
-            for g in range(cfg.num_layers)
+            for g, layer in enumerate(cfg.layer_ids)
         ],
     )
     return _json(meta)
@@ -718,7 +714,7 @@ def import_page_group(cache, seq_id, group_id, src) -> None:
     # ---- validated
     copy_pages(cache, t, np.arange(m), cache.pages[group], rec.pages)
     if rec.scales is not None:  # codes stored under the checkpoint's scales, now under the cache's
-        cache.requantize_pages(cache.config.first_layer + group, rec.pages, rec.scales[group])
+        cache.requantize_pages(cache.config.layer_ids[group], rec.pages, rec.scales[group])
     rec.imported[group] = True
 
 
@@ -752,8 +748,8 @@ def import_checkpoint(cache, seq_id, checkpoint: Checkpoint) -> None:
         _check_group(cache, group, f"checkpoint.groups[{g}]", -(-n // cache.config.page_size), writable=False)
     scales = checkpoint_kv_scales(cache, checkpoint.metadata)
     if scales is not None and cache.holds_no_token():  # everything checked: restore exactly
-        for layer, (k, v) in enumerate(adoptable(scales)):
-            cache.set_kv_scales(cache.config.first_layer + layer, k, v)
+        for layer, (k, v) in zip(cache.config.layer_ids, adoptable(scales)):
+            cache.set_kv_scales(layer, k, v)
     prepare_import(cache, seq_id, checkpoint.metadata)
     try:
         for g, group in enumerate(checkpoint.groups):

@@ -160,10 +160,9 @@ def send_sequence(sender, seq_id, recv: Receive) -> None:
     rec = recv.record
     # ---- validated
     fp8 = getattr(sender.config, "fp8_pages", False)
-    for layer in range(sender.config.num_layers):
+    for layer, model_layer in enumerate(sender.config.layer_ids):  # (the same stage on both: check_compatible)
         copy_pages(sender, sender.pages[layer], seq.pages, recv.cache.pages[layer], rec.pages)
         if fp8:  # codes stored under the sender's scales, now under the receiver's
-            model_layer = sender.config.first_layer + layer  # (the same stage on both: check_compatible)
             recv.cache.requantize_pages(model_layer, rec.pages, sender.kv_scales(model_layer))
     rec.imported[:] = [True] * len(rec.imported)
     recv.sent = True
@@ -182,9 +181,8 @@ def move_sequence(sender, seq_id, receiver, receiver_seq_id=None, *, remove: boo
     sender.require_no_forward("send_sequence")  # (what send_sequence checks, before the scales change)
     fits = -(-seq.length // receiver.config.page_size) <= receiver.num_available_pages()
     if getattr(sender.config, "fp8_pages", False) and receiver.holds_no_token() and fits:  # codes move unchanged
-        for layer in range(sender.config.num_layers):
-            model_layer = sender.config.first_layer + layer
-            receiver.set_kv_scales(model_layer, *adoptable(sender.kv_scales(model_layer)))
+        for layer in sender.config.layer_ids:
+            receiver.set_kv_scales(layer, *adoptable(sender.kv_scales(layer)))
     recv = prepare_receive(receiver, target, seq.length)
     with recv:
         send_sequence(sender, seq_id, recv)
