@@ -234,3 +234,18 @@ def test_attended_layers_and_mark_attended_validate_first():
     cache.end_forward()
     with pytest.raises(ForwardStateError, match="mark_attended"):
         cache.mark_attended([0])
+
+
+def test_attended_layers_of_a_pipeline_stage_are_the_model_ids():
+    """A stage holding the model's layers 2 and 3: attended_layers names them as the attention calls and
+    mark_attended do (a StepGraphs replay hands the one to the other)."""
+    cache = make_cache("llvm", num_layers=2, first_layer=2)
+    cache.add_sequence(0)
+    cache.begin_forward([0], [3])
+    cache.attention_with_fused_qkv(3, np.zeros((3, HQ + 2 * HKV, 64), np.float32))
+    assert cache.attended_layers() == (3,)
+    cache.mark_attended(cache.attended_layers() + (2,))
+    assert cache.attended_layers() == (2, 3)
+    with pytest.raises(ValueError, match=r"layer_id 0 is out of range \[2, 4\) \(this cache is the pipeline stage"):
+        cache.mark_attended([0])
+    cache.end_forward()

@@ -124,6 +124,38 @@ def test_gather_kv_array_kinds_and_out(cache, rng):
     assert empty[0].shape == (0, H_KV, D)
 
 
+def test_pipeline_stage_takes_the_model_layer_ids(target, rng):
+    """A stage holding the model's layers 2 and 3 (``first_layer=2``): gather_kv, store_kv and paged_view
+    name a layer as its attention calls do, and refuse the ids of other stages' layers."""
+    cache = make_cache(target, num_layers=L, num_qo_heads=H_QO, num_kv_heads=H_KV, head_dim=D, first_layer=2, **CFG)
+    cache.add_sequence(0)
+    cache.begin_forward([0], [6])
+    qkv = [rng.standard_normal((6, H_QO + 2 * H_KV, D)).astype(np.float32) for _ in range(L)]
+    for i in range(L):
+        cache.attention_with_fused_qkv(2 + i, qkv[i])
+    cache.end_forward()
+    table = interop.block_tables(cache, [0])
+    for i in range(L):
+        k, v = interop.gather_kv(cache, 2 + i, table.block_tables, table.seq_lens)
+        np.testing.assert_array_equal(k, qkv[i][:, H_QO : H_QO + H_KV])
+        np.testing.assert_array_equal(v, qkv[i][:, H_QO + H_KV :])
+        assert interop.paged_view(cache, 2 + i, [0]).data.same_as(cache.pages[i])
+    new = rng.standard_normal((1, H_KV, D)).astype(np.float32)
+    slot = int(table.block_tables[0, 1]) * P + 1  # token 5's slot, overwritten in layer 3 only
+    interop.store_kv(cache, 3, new, -new, [slot])
+    pool = _pool(cache)
+    np.testing.assert_array_equal(pool[1, slot // P, 0, :, slot % P], new[0])
+    np.testing.assert_array_equal(pool[1, slot // P, 1, :, slot % P], -new[0])
+    np.testing.assert_array_equal(pool[0, slot // P, 0, :, slot % P], qkv[0][5, H_QO : H_QO + H_KV])
+    before = _state(cache)
+    for layer in (0, 1, 4):
+        with pytest.raises(ValueError, match=rf"layer {layer} is out of range \[2, 4\) \(this cache is the pipeline"):
+            interop.gather_kv(cache, layer, table.block_tables, table.seq_lens)
+        with pytest.raises(ValueError, match=rf"layer {layer} is out of range \[2, 4\)"):
+            interop.store_kv(cache, layer, new, new, [slot])
+    _assert_unchanged(cache, before)
+
+
 # ---------------------------------------------------------------------------------------------- store_kv
 
 

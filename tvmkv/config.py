@@ -152,6 +152,16 @@ class CacheConfig:
         (``attention_with_fused_qkv``, ``kv_scales``, ``requantize_pages``, ...) take for local layer ``i``."""
         return range(self.first_layer, self.first_layer + self.num_layers)
 
+    def layer_index(self, layer_id: int, name: str = "layer_id") -> int:
+        """The index into this cache's layers (``pages[i]``) of the model's layer ``layer_id`` (an int);
+        ValueError, naming ``name``, the range and the stage, for a layer this cache does not hold."""
+        i = layer_id - self.first_layer
+        if not 0 <= i < self.num_layers:
+            first, n = self.first_layer, self.num_layers
+            stage = f" (this cache is the pipeline stage of layers {first} .. {first + n - 1})" if first else ""
+            raise ValueError(f"{name} {layer_id} is out of range [{first}, {first + n}){stage}")
+        return i
+
     @property
     def is_mla(self) -> bool:
         """Whether every layer is an MLA layer (``kv_lora_rank > 0``)."""

@@ -687,9 +687,7 @@ class PagedAttentionKVCache:
                 "attention_with_fused_qkv on an MLA cache: append the latent with append_mla_kv and attend with "
                 "cross_attention (+ self_attention / merge_attn_output_inplace in a prefill)"
             )
-        layer = (layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")) - cfg.first_layer
-        if not 0 <= layer < cfg.num_layers:
-            raise self._layer_error(layer_id)
+        layer = cfg.layer_index(layer_id if type(layer_id) is int else as_int(layer_id, "layer_id"))
         sm_scale = self._default_sm_scale if sm_scale is None else self._sm_scale(sm_scale)
         window = self._windows[layer]
         if self._tvm_ok(qkv, fwd.qkv_shape) and (out is None or self._tvm_ok(out, fwd.o_shape)):
@@ -1024,15 +1022,7 @@ class PagedAttentionKVCache:
 
     def _layer(self, layer_id) -> int:
         """The index into this cache's layers of the model's layer ``layer_id`` (checked)."""
-        layer = (layer_id if type(layer_id) is int else as_int(layer_id, "layer_id")) - self.config.first_layer
-        if not 0 <= layer < self.config.num_layers:
-            raise self._layer_error(layer_id)
-        return layer
-
-    def _layer_error(self, layer_id) -> ValueError:
-        first, n = self.config.first_layer, self.config.num_layers
-        stage = f" (this cache is the pipeline stage of layers {first} .. {first + n - 1})" if first else ""
-        return ValueError(f"layer_id {layer_id} is out of range [{first}, {first + n}){stage}")
+        return self.config.layer_index(layer_id if type(layer_id) is int else as_int(layer_id, "layer_id"))
 
     def _check_kind(self, x, name: str, kind: str, source: str) -> None:
         if tensors.array_kind(x) != kind:
@@ -1352,9 +1342,10 @@ class PagedAttentionKVCache:
     def attended_layers(self) -> tuple:
         """The layers whose ``attention_with_fused_qkv`` (or ``append_mla_kv``) ran in the open forward:
         their pages hold this forward's tokens, which ``attention_with_shared_kv`` and
-        ``cross_attention(include_new=True)`` require."""
+        ``cross_attention(include_new=True)`` require. The model's layer ids (``config.layer_ids``), as
+        the attention calls and :meth:`mark_attended` take them."""
         self._open_forward("attended_layers")
-        return tuple(layer for layer, step in enumerate(self._ran) if step == self._step)
+        return tuple(layer for layer, step in zip(self.config.layer_ids, self._ran) if step == self._step)
 
     def mark_attended(self, layers) -> None:
         """Record that ``layers``' K/V were appended in the open forward by launches the cache did not

@@ -110,12 +110,11 @@ def _mha(cache) -> None:
 
 
 def _layer(cache, layer) -> int:
+    """The index into ``cache.pages`` of the model's layer id ``layer``: the per-layer calls take the
+    ids the attention calls take (``config.layer_ids``: a pipeline stage's cache holds ``[first_layer,
+    first_layer + num_layers)``)."""
     _mha(cache)
-    layer = _int(layer, "layer")
-    L = cache.config.num_layers
-    if not 0 <= layer < L:
-        raise ValueError(f"layer {layer} is out of range [0, {L}); the cache has {L} layers")
-    return layer
+    return cache.config.layer_index(_int(layer, "layer"), "layer")
 
 
 def _host_ints(x, name: str, ndim: int) -> np.ndarray:
@@ -269,7 +268,8 @@ def gather_kv(cache, layer, block_tables, seq_lens, *, seq_offset=None, is_seq_l
     ----------
     cache : PagedAttentionKVCache
     layer : int
-        Layer in ``[0, num_layers)``.
+        The model's layer id, as the attention calls take it: in ``config.layer_ids`` (``[0,
+        num_layers)`` unless the cache is a pipeline stage's, ``[first_layer, first_layer + num_layers)``).
     block_tables : [B, C] int32/int64 (list, NumPy, torch or tvm)
         Page ids; every entry a token reaches must be in ``[0, num_pages)``.
     seq_lens : [B] (or [B + 1] when ``is_seq_lens_cumsum``) int
@@ -383,6 +383,7 @@ def store_kv(cache, layer, k, v, slot_mapping) -> None:
     cache : PagedAttentionKVCache
         Its layer's page pool is **written in place**.
     layer : int
+        The model's layer id, as for :func:`gather_kv`.
     k, v : [n, H_kv, D], the cache dtype (NumPy, torch or tvm on the cache's device)
     slot_mapping : [n] int
         Slots in ``[0, num_pages * P)`` or negative. Each non-negative slot at most once, in a page
