@@ -480,6 +480,23 @@ class _ModelOps:
         self.d.fork(parent, child, pos)
 
 
+def _run_plan(d, plan, toks: dict) -> None:
+    """The forward of ``plan`` through a test_prefix.Driver (every output against its CacheModel, which
+    shares nothing): the model first prefills what each admission reused from the tree."""
+    for sid in plan.admitted:
+        part = next(p for p in plan.parts if p.seq_id == sid)
+        d.model.add(sid)
+        d.tokens[sid] = toks[sid][: part.start]
+        if part.start:
+            d.model.begin([sid], [part.start])
+            for layer in range(d.cache.config.num_layers):
+                d.model.attention(layer, d.rows(layer, d.tokens[sid], 0))
+            d.model.end()
+    for p in plan.parts:
+        assert len(d.tokens[p.seq_id]) == p.start
+    d.forward({p.seq_id: toks[p.seq_id][p.start : p.start + p.num_tokens] for p in plan.parts})
+
+
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
 def test_scheduler_prefix_cache_against_the_oracle(target, preemption):
     """Token-determined K/V (test_prefix.Driver: the same token at the same position gets the same
@@ -516,18 +533,7 @@ def test_scheduler_prefix_cache_against_the_oracle(target, preemption):
             np.testing.assert_array_equal(k, saved[sid][0])
             np.testing.assert_array_equal(v, saved[sid][1])
             exact += 1
-        for sid in plan.admitted:  # the model prefills (without sharing) what the cache reused
-            part = next(p for p in plan.parts if p.seq_id == sid)
-            d.model.add(sid)
-            d.tokens[sid] = toks[sid][: part.start]
-            if part.start:
-                d.model.begin([sid], [part.start])
-                for layer in range(cache.config.num_layers):
-                    d.model.attention(layer, d.rows(layer, d.tokens[sid], 0))
-                d.model.end()
-        for p in plan.parts:
-            assert len(d.tokens[p.seq_id]) == p.start
-        d.forward({p.seq_id: toks[p.seq_id][p.start : p.start + p.num_tokens] for p in plan.parts})
+        _run_plan(d, plan, toks)
         sampled, finished = {}, []
         for p in plan.parts:
             if p.samples:
@@ -585,3 +591,119 @@ def test_scheduler_prefix_cache_api(target):
     sched.finish(1)
     assert prefix.match_prefix([*range(20), 7]) == 20 and not cache.sequence_ids()
     prefix.check_integrity()
+
+
+def _prefix_scheduler(target, num_pages, preemption="swap"):
+    from test_prefix import Driver
+
+    cache = make_cache(target, num_pages=num_pages, page_size=4, chunk=32, batch=4)
+    d = Driver(cache, vocab=50, seed=5)
+    return cache, d, Scheduler(cache, preemption=preemption, ops=_ModelOps(d), prefix_cache=d.prefix)
+
+
+def test_scheduler_admits_past_a_partially_matched_page(target):
+    """The tree holds a full page and a partly filled one of a finished prompt; a new prompt needs
+    every page of the cache. Reusing the partial page would pin it as its copy's source (one page
+    too many, and nothing runs that could free it: the queue would wait forever), so the admission
+    reuses the full page alone. Outputs against the CacheModel."""
+    cache, d, sched = _prefix_scheduler(target, num_pages=4)
+    toks = {1: [1, 2, 3, 4, 5, 6, 7], 2: [1, 2, 3, 4, 5, 6] + [9] * 10}  # 2: 16 tokens, the cache's 4 pages
+    sched.add_request(1, tokens=toks[1])
+    plan = sched.schedule()
+    _run_plan(d, plan, toks)
+    sched.step_done(plan, finished=[1], sampled={1: 8})
+    toks[1].append(8)
+    assert d.prefix.match_prefix(toks[2]) == 6 and cache.num_available_pages() == 2  # 4 tokens + 2 of 3
+    sched.add_request(2, tokens=toks[2])
+    plan = sched.schedule()
+    assert plan.admitted == [2] and [(p.seq_id, p.start, p.num_tokens) for p in plan.parts] == [(2, 4, 12)]
+    _run_plan(d, plan, toks)
+    sched.step_done(plan, sampled={2: 3})
+    d.prefix.check_integrity()
+    assert cache.sequence_length(2) == 16 and sched.stats.reused_tokens == 4
+
+
+def test_scheduler_fork_under_recompute_preemption_with_a_prefix_cache(target):
+    """A fork shares its parent's pages; preempted for recomputation, it is not inserted into the tree
+    (its node would hang below pages the running parent holds, so its own last page could be neither
+    freed nor evicted, though planning counted it free): every plan then fits (no OutOfPagesError),
+    and every output matches the CacheModel."""
+    cache, d, sched = _prefix_scheduler(target, num_pages=8, preemption="recompute")
+    toks = {1: [9, 9, 9, 9, 1], 2: [9, 9, 9, 9] + [2] * 9}  # admitted together: no page shared
+    for sid in (1, 2):
+        sched.add_request(sid, tokens=toks[sid])
+    preempted = []
+    for step in range(14):
+        plan = sched.schedule()
+        preempted += [sid for sid, _ in plan.preempted]
+        _run_plan(d, plan, toks)
+        sampled = {p.seq_id: 7 for p in plan.parts if p.samples}
+        for sid, t in sampled.items():
+            toks[sid].append(t)
+        sched.step_done(plan, sampled=sampled)
+        if step == 0:
+            toks[3] = toks[2][:-1] + [8]
+            assert sched.fork(2, 3, tokens=toks[3])
+        d.prefix.check_integrity()
+    assert 3 in preempted  # the fork (the newest) went first
+
+
+def test_scheduler_finish_between_schedule_and_step_done(target):
+    """A request cancelled after its forward ran: step_done skips its part and records the others; a
+    plan whose forward ran but was never reported stops the next schedule() instead of appending its
+    tokens twice; finish during an open forward raises and changes nothing."""
+    cache = make_cache(target, num_pages=8, chunk=32, batch=4)
+    sched = Scheduler(cache)
+    for sid in (1, 2):
+        sched.add_request(sid, 5)
+    plan = sched.schedule()
+    cache.begin_forward(plan.seq_ids, plan.lengths)
+    with pytest.raises(ForwardStateError, match="Scheduler.finish"):
+        sched.finish(2)
+    assert sched.queue_ids(RUNNING) == [1, 2] and cache.sequence_ids() == [1, 2]
+    cache.end_forward()
+    sched.finish(1)
+    sched.add_request(1, 3)  # the id again, a new request: not the plan's part
+    sched.step_done(plan)
+    assert sched.seqs[2].num_computed == 5 and sched.seqs[1].num_computed == 0
+    plan = sched.schedule()
+    assert [(p.seq_id, p.start, p.num_tokens) for p in plan.parts] == [(2, 5, 1), (1, 0, 3)]
+    cache.begin_forward(plan.seq_ids, plan.lengths)
+    cache.end_forward()
+    with pytest.raises(ValueError, match="sequence 2 holds 6 tokens but 5 were computed .* step_done"):
+        sched.schedule()  # the forward ran, unreported
+    sched.step_done(plan)
+    assert sched.schedule().seq_ids == [2, 1]
+
+
+def test_scheduler_refuses_ids_an_import_reserved(target):
+    """An id a pending import holds is refused by add_request, and by schedule() for a request that
+    was queued before the import reserved it; aborting the import frees the id."""
+    from tvmkv.runtime import transfer
+
+    cache = make_cache(target, num_pages=8, chunk=32, batch=4)
+    sched = Scheduler(cache)
+    recv = transfer.prepare_receive(cache, 7, 5)
+    with pytest.raises(KeyError, match="seq_id 7 is reserved by an import"):
+        sched.add_request(7, 3)
+    sched.add_request(8, 3)
+    recv8 = transfer.prepare_receive(cache, 8, 5)
+    digest = cache.table_digest()
+    with pytest.raises(KeyError, match="request 8 is waiting, but an import .* reserved id 8"):
+        sched.schedule()
+    assert cache.table_digest() == digest and sched.queue_ids("waiting") == [8]
+    recv8.abort()
+    recv.abort()
+    assert sched.schedule().seq_ids == [8]
+
+
+def test_scheduler_watermark_only_while_something_runs(target):
+    """The watermark is headroom for running sequences to grow: with nothing running, a request whose
+    pages fit is admitted even when they leave less than the watermark free (else it would wait
+    forever); the next request, with one running now, keeps the watermark."""
+    cache = make_cache(target, num_pages=8, page_size=4, chunk=32, batch=4)
+    sched = Scheduler(cache, watermark_pages=2)
+    sched.add_request(1, 28)  # 7 of the 8 pages
+    sched.add_request(2, 4)  # 1 page: fits, but not with 2 pages of watermark
+    plan = sched.schedule()
+    assert plan.admitted == [1] and plan.seq_ids == [1]

@@ -1392,6 +1392,11 @@ class PagedAttentionKVCache:
         seq_id = self._table.check_new(seq_id)
         self._table.reserved[seq_id] = (str(what), abandon)
 
+    def reserved_sequence_ids(self) -> list:
+        """Ids claimed by :meth:`reserve_sequence_id` (imports in progress): not sequences of the cache
+        yet, and not free for a new sequence either."""
+        return list(self._table.reserved)
+
     def release_sequence_id(self, seq_id) -> None:
         """Drop the claim of :meth:`reserve_sequence_id` on ``seq_id`` (no-op without one)."""
         self._table.reserved.pop(check_id(seq_id), None)

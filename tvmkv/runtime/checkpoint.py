@@ -689,7 +689,8 @@ def prepare_import(cache, seq_id, metadata_json) -> None:
     ``seq_id`` must be new (not in the cache, not pending). Until :func:`finish_import` the id is not a
     sequence of the cache; :func:`abort_import` (or ``cache.clear()``) frees the reserved pages.
     Raises ValueError naming the first field that differs (then a layout-hash mismatch), KeyError,
-    OutOfPagesError; nothing is reserved then.
+    OutOfPagesError; nothing is reserved then. It and :func:`import_page_group` may run while a forward
+    is open (the reserved pages are none of the forward's), :func:`finish_import` may not.
     """
     _check_layout(cache)
     seq_id = check_new_id(cache, seq_id, "prepare_import")

@@ -41,7 +41,11 @@ ids, ``add_request(..., tokens=...)``, whose sampled tokens ``step_done(..., sam
   sequence is re-admitted the same way and reuses what is still cached of its own pages;
 - the tree gets every full page of a running sequence after each step (``insert``: other requests
   reuse a prompt while it is still running; no copy-on-write, its partial last page stays private)
-  and all of a sequence's pages when it finishes or is recompute-preempted (insert, then remove);
+  and all of a sequence's pages when it finishes or is recompute-preempted (insert, then remove; a
+  preempted one only when its pages stay evictable then, which a fork sharing pages with a running
+  sequence's does not: planning counts the victims' pages as available);
+- a partially matched page pins its page as the copy's source until the first forward: an admission
+  that would not fit with it reuses the matched full pages alone;
 - page accounting counts the tree's evictable pages as available (the cache evicts them before it
   would raise ``OutOfPagesError``), taking into account the pages that planned admissions will share
   (``num_evictable_pages(without=..., pinned=...)``).
@@ -156,7 +160,8 @@ class Scheduler:
     preemption : str
         "swap" or "recompute".
     watermark_pages : int
-        Free pages an admission leaves untouched (headroom for running sequences to grow).
+        Free pages an admission leaves untouched (headroom for running sequences to grow), while some
+        sequence runs: with nothing running, a request is admitted if its pages fit.
     ops : object, optional
         Where ``add_sequence`` / ``remove_sequence`` / ``fork_sequence`` go (default ``cache``), e.g.
         an adapter that calls them through TVM's ``vm.builtin.kv_state_*`` functions.
@@ -205,6 +210,7 @@ class Scheduler:
         self.queues: dict = {WAITING: [], RUNNING: [], SWAPPED: []}  # each sorted by arrival
         self._arrivals = itertools.count()
         self._open: StepPlan | None = None  # the last plan schedule() returned, until step_done
+        self._open_states: dict[int, SeqState] = {}  # its parts' states (a finished id may come back as new)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, seq_id, num_prompt_tokens=None, *, tokens=None) -> None:
@@ -278,15 +284,20 @@ class Scheduler:
 
     def finish(self, seq_id) -> None:
         """Drop ``seq_id`` from the scheduler and the cache (wherever it is). With a prefix cache, a
-        sequence on the device with token ids is inserted into it first (its pages stay cached)."""
+        sequence on the device with token ids is inserted into it first (its pages stay cached).
+
+        A sequence of the plan not yet reported may finish (a cancelled request): :meth:`step_done`
+        then skips its part. Raises KeyError (not a request of this scheduler) and, for a sequence the
+        cache holds, ForwardStateError while a forward is open, before changing anything."""
         st = self._known(seq_id, "seq_id")
         seq_id = st.seq_id
-        if st.status == RUNNING and self.prefix_cache is not None and st.tokens is not None:
-            self.prefix_cache.insert(seq_id, st.tokens[: st.num_computed])
+        if st.status != WAITING or st.num_computed:  # the cache holds it: the cache calls first
+            self.cache.require_no_forward("Scheduler.finish")
+            if st.status == RUNNING and self.prefix_cache is not None and st.tokens is not None:
+                self.prefix_cache.insert(seq_id, st.tokens[: st.num_computed])
+            self.ops.remove_sequence(seq_id)
         del self.seqs[seq_id]
         self.queues[st.status].remove(st)
-        if st.status != WAITING or st.num_computed:
-            self.ops.remove_sequence(seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -300,18 +311,26 @@ class Scheduler:
         """Plan the next forward and apply its preemptions, swap-ins and admissions to the cache.
 
         Raises before changing anything: ForwardStateError (a forward is open), KeyError (a waiting
-        request's id was taken in the cache since ``add_request``), RuntimeError when nothing can run
-        (a sequence that needs more pages than the cache has). The plan it returns supersedes any
-        plan not yet reported to :meth:`step_done`.
+        request's id was taken in the cache, or reserved by an import, since ``add_request``),
+        ValueError (the forward of the plan not yet reported to :meth:`step_done` ran), RuntimeError
+        when nothing can run (a sequence that needs more pages than the cache has). The plan it
+        returns supersedes a plan not yet reported whose forward did not run.
         """
         P, cache, prefix = self.page_size, self.cache, self.prefix_cache
         cache.require_no_forward("Scheduler.schedule")
+        self._check_unreported()
         in_cache = set(cache.sequence_ids()).union(cache.swapped_sequence_ids())
+        claimed = set(cache.reserved_sequence_ids())
         for st in self.queues[WAITING]:
             if st.seq_id in in_cache:
                 raise KeyError(
                     f"request {st.seq_id} is waiting, but a sequence {st.seq_id} was added to the cache outside this "
                     f"scheduler; remove that sequence from the cache or finish({st.seq_id}) the request"
+                )
+            if st.seq_id in claimed:
+                raise KeyError(
+                    f"request {st.seq_id} is waiting, but an import into the cache reserved id {st.seq_id} since; "
+                    f"abort that import or finish({st.seq_id}) the request"
                 )
         budget, slots = self.token_budget, self.max_batch_size
         base_free = cache.num_available_pages()
@@ -377,22 +396,33 @@ class Scheduler:
         if not victims and len(swap_in) == len(self.queues[SWAPPED]):
             reserved = 0  # pages admitted prompts will need beyond their first chunk
             for st in self.queues[WAITING]:
-                reused, pages = prefix.prefix_pages(st.tokens) if self._uses_prefix(st) else (0, [])
-                n = min(st.pending - reused, budget)
-                if n <= 0 or not slots:
+                # headroom for running sequences to grow: none is needed while nothing runs (a
+                # request longer than the cache less the watermark would otherwise wait forever)
+                wm = self.watermark_pages if chosen or self.queues[RUNNING] else 0
+                if not slots or budget <= 0:
                     break
-                whole = -(-st.num_tokens // P)
-                if whole > self.total_pages:
+                total = -(-st.num_tokens // P)
+                if total > self.total_pages:
                     raise RuntimeError(
-                        f"sequence {st.seq_id} needs {whole} pages, more than the cache's {self.total_pages}; "
+                        f"sequence {st.seq_id} needs {total} pages, more than the cache's {self.total_pages}; "
                         "build the cache with more pages"
                     )
-                # shared full pages are not allocated; a partially matched page is copied on write
-                whole -= reused // P
-                if whole + self.watermark_pages > available(pages) - reserved:
+                limit = None  # max_reuse of its admission
+                reused, pages = prefix.prefix_pages(st.tokens) if self._uses_prefix(st) else (0, [])
+                # shared full pages are not allocated; a partially matched page is copied on write, and
+                # held (not evictable) as the copy's source until then
+                whole = total - reused // P
+                if reused % P and whole + wm > available(pages) - reserved:
+                    # without the partial page (its copy's source would take the page the prompt needs;
+                    # nothing runs to evict it later): the full pages alone
+                    limit = reused // P * P
+                    reused, pages = prefix.prefix_pages(st.tokens, max_reuse=limit)
+                    whole = total - reused // P
+                if whole + wm > available(pages) - reserved:
                     break
+                n = min(st.pending - reused, budget)  # (>= 1: a prompt's last token is never reused)
                 need = -(-(reused + n) // P) - reused // P
-                admit[st.seq_id] = (st, reused)
+                admit[st.seq_id] = (st, reused, limit)
                 pinned += pages
                 chosen[st.seq_id] = (st, n)
                 used += need
@@ -412,6 +442,7 @@ class Scheduler:
             raise self._nothing_to_run()
         self.stats.steps += 1
         self._open = plan
+        self._open_states = {p.seq_id: self.seqs[p.seq_id] for p in plan.parts}
         return plan
 
     def step_done(self, plan: StepPlan, finished=(), *, sampled=None) -> None:
@@ -422,9 +453,11 @@ class Scheduler:
         sequence with token ids (required for those; ignored for the others). With a prefix cache,
         the full pages of the forward's sequences are then inserted into it.
 
+        The parts of sequences finished since :meth:`schedule` (:meth:`finish`) are skipped.
+
         Raises before changing anything: ValueError for a plan already completed or superseded by a
-        later :meth:`schedule` (or one of whose sequences was finished meanwhile), KeyError /
-        TypeError / ValueError for ``finished`` (ids this scheduler knows, each once) and ``sampled``.
+        later :meth:`schedule`, KeyError / TypeError / ValueError for ``finished`` (ids this scheduler
+        knows, each once) and ``sampled``.
         """
         if plan is not self._open:
             if getattr(plan, "done", False):
@@ -433,26 +466,23 @@ class Scheduler:
                 "this plan is not the one the last schedule() returned; report each plan once, before the next "
                 "schedule()"
             )
-        gone = [p.seq_id for p in plan.parts if p.seq_id not in self.seqs]
-        if gone:
-            raise ValueError(
-                f"sequences {gone} of this plan were finished before step_done; pass them in finished= instead"
-            )
+        states = self._open_states
+        parts = [p for p in plan.parts if self.seqs.get(p.seq_id) is states[p.seq_id]]  # not finished since
         finished = [self._known(sid, "finished[i]").seq_id for sid in finished]
         if len(set(finished)) != len(finished):
             raise ValueError(f"finished={finished} names a sequence twice; pass each once")
         sampled = {} if sampled is None else sampled
         if not isinstance(sampled, dict):
             raise TypeError(f"sampled must be a dict seq_id -> token id, not {type(sampled).__name__}")
-        need = [p.seq_id for p in plan.parts if p.samples and self.seqs[p.seq_id].tokens is not None]
+        need = [p.seq_id for p in parts if p.samples and self.seqs[p.seq_id].tokens is not None]
         missing = [sid for sid in need if sid not in sampled]
         if missing:
             raise ValueError(
                 f"sequences {missing} have token ids and sampled a token: pass sampled={{seq_id: token}} for them"
             )
         new = {sid: _token(sampled[sid], sid) for sid in need}  # validated before anything changes
-        plan.done, self._open = True, None
-        for part in plan.parts:
+        plan.done, self._open, self._open_states = True, None, {}
+        for part in parts:
             st = self.seqs[part.seq_id]
             st.num_computed += part.num_tokens
             if part.samples:
@@ -481,7 +511,26 @@ class Scheduler:
                 f"{name} {seq_id} is used by a sequence in the cache that this scheduler does not manage; pick "
                 "another id or remove that sequence first"
             )
+        if seq_id in self.cache.reserved_sequence_ids():
+            raise KeyError(
+                f"{name} {seq_id} is reserved by an import into the cache that is in progress; pick another id, or "
+                "finish (or abort) that import and remove the sequence first"
+            )
         return seq_id
+
+    def _check_unreported(self) -> None:
+        """ValueError when the forward of the plan not yet reported to :meth:`step_done` ran: one of its
+        sequences holds more tokens than the scheduler counts as computed, and planning again would
+        append them a second time."""
+        for part in self._open.parts if self._open is not None else ():
+            st = self._open_states[part.seq_id]
+            if self.seqs.get(part.seq_id) is st and st.status == RUNNING:
+                held = self.cache.sequence_length(part.seq_id)
+                if held != st.num_computed:
+                    raise ValueError(
+                        f"sequence {part.seq_id} holds {held} tokens but {st.num_computed} were computed when the "
+                        "last plan was made: its forward ran; report it with step_done(plan, ...) before schedule()"
+                    )
 
     def _known(self, seq_id, name: str) -> SeqState:
         """The state of ``seq_id``, a request of this scheduler (KeyError names it otherwise)."""
@@ -501,6 +550,20 @@ class Scheduler:
 
     def _uses_prefix(self, st: SeqState) -> bool:
         return self.prefix_cache is not None and st.tokens is not None
+
+    def _leaves_evictable(self, st: SeqState) -> bool:
+        """Whether the pages of running ``st``, inserted into the prefix cache and then removed from the
+        cache, stay evictable, as planning counted them released: ``st`` holds the tree's pages of its
+        cached full pages and every other page of it is its alone. A page it shares otherwise (a fork's
+        with its running parent) would pin the new tree node, whose pages could then be neither freed
+        nor evicted."""
+        assert st.tokens is not None and self.prefix_cache is not None  # (_uses_prefix)
+        tokens = st.tokens[: st.num_computed]
+        if not self.prefix_cache.holds_cached_prefix(st.seq_id, tokens):
+            return False
+        cached = self.prefix_cache.prefix_pages(tokens, max_reuse=len(tokens))[0] // self.page_size
+        own = len(self.cache.sequence_pages(st.seq_id)) - cached
+        return self.cache.num_pages_released_by([st.seq_id]) == own
 
     def _free_pages(self) -> int:
         """Pages a forward can get now: free ones and those the prefix cache could evict."""
@@ -529,7 +592,8 @@ class Scheduler:
                 return -(-(cache.sequence_length(first.seq_id) + n) // P) <= free_after
             return cache.num_pages_needed(first.seq_id, n) <= free_after
         first = min([*self.queues[WAITING], *victims], key=_arrival)
-        return -(-first.num_tokens // P) + self.watermark_pages <= free_after
+        wm = self.watermark_pages if len(victims) < len(self.queues[RUNNING]) else 0  # (none while nothing runs)
+        return -(-first.num_tokens // P) + wm <= free_after
 
     def _apply(self, chosen, victims, swap_in, admit) -> StepPlan:
         plan = StepPlan()
@@ -543,7 +607,7 @@ class Scheduler:
                     self._enqueue(v, SWAPPED)
                     self.stats.preempted_swap += 1
                 else:
-                    if self._uses_prefix(v):  # keep its pages in the tree: re-admission may reuse them
+                    if self._uses_prefix(v) and self._leaves_evictable(v):  # re-admission may reuse them
                         self.prefix_cache.insert(v.seq_id, v.tokens[: v.num_computed])
                     self.ops.remove_sequence(v.seq_id)
                     v.num_dropped, v.num_computed, v.num_cached = v.num_computed, 0, 0
@@ -556,9 +620,9 @@ class Scheduler:
         # (admissions and swap-ins happen only in a step without preemption)
         reused_by: dict = {}
         try:
-            for st, reused in admit.values():
+            for st, reused, limit in admit.values():
                 if self._uses_prefix(st):
-                    got = self.prefix_cache.add_sequence_with_prefix(st.seq_id, st.tokens)
+                    got = self.prefix_cache.add_sequence_with_prefix(st.seq_id, st.tokens, max_reuse=limit)
                     reused_by[st.seq_id] = got
                     assert got == reused, "the tree changed between planning and admission"
                 else:
@@ -570,7 +634,7 @@ class Scheduler:
             for sid in reversed(list(reused_by)):
                 self.ops.remove_sequence(sid)
             raise
-        for st, _ in admit.values():
+        for st, _, _ in admit.values():
             if self._uses_prefix(st):
                 st.num_computed = st.num_cached = reused_by[st.seq_id]
                 self.stats.reused_tokens += st.num_computed

@@ -208,6 +208,10 @@ class ShardedKVCache:
     def swapped_sequence_ids(self) -> list:
         return self.shards[0].swapped_sequence_ids()
 
+    def reserved_sequence_ids(self) -> list:
+        """Ids an import into any shard holds (adding one raises in that shard)."""
+        return list(dict.fromkeys(sid for shard in self.shards for sid in shard.reserved_sequence_ids()))
+
     def num_pages_released_by(self, seq_ids) -> int:
         return self.shards[0].num_pages_released_by(seq_ids)
 

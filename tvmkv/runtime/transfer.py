@@ -125,7 +125,8 @@ def prepare_receive(receiver, seq_id, length) -> Receive:
     """Reserve ``ceil(length / page_size)`` pages of ``receiver`` for the new ``seq_id``.
 
     Raises KeyError (``seq_id`` in use or pending), ValueError (negative length, non-MHA pages),
-    OutOfPagesError; nothing is reserved then.
+    OutOfPagesError; nothing is reserved then. It may run while a forward is open on ``receiver`` (the
+    reserved pages are none of the forward's; a transfer overlaps a step), ``Receive.commit`` may not.
     """
     seq_id = check_new_id(receiver, seq_id, "prepare_receive")
     length = as_int(length, "length")
@@ -172,8 +173,11 @@ def move_sequence(sender, seq_id, receiver, receiver_seq_id=None, *, remove: boo
     """Prepare, send and commit in one call: ``seq_id`` of ``sender`` becomes ``receiver_seq_id``
     (default: the same id) of ``receiver``; with ``remove`` the sender's sequence is removed after.
 
-    Returns the receiver's id. On any error the receiver is left as it was.
+    Returns the receiver's id. On any error the receiver is left as it was. No forward may be open on
+    either cache (raised before anything is reserved or copied; the step-by-step calls may reserve and
+    copy during a forward, only ``commit`` may not).
     """
+    receiver.require_no_forward("move_sequence")  # (what its commit checks)
     seq = plain_sequence(sender, seq_id)
     target = check_id(seq_id) if receiver_seq_id is None else receiver_seq_id
     check_new_id(receiver, target, "move_sequence")
