@@ -161,6 +161,26 @@ def test_mla_prefill_decode_fork_popn(target, dtype, d):
     cache.check_integrity()
 
 
+def test_mla_self_dims_inferred_not_from_a_refused_call(target):
+    """Without mla_self_dims the first self_attention call names the dims; a zero-width one is refused
+    (it would name the kernel set without self attention) and names nothing: a prefill afterwards
+    matches the NumPy reference."""
+    rng = np.random.default_rng(4)
+    cache = _cache(target)
+    ref = _Mla(rng)
+    cache.add_sequence(0)
+    cache.begin_forward([0], [3])
+    digest = cache.table_digest()
+    z = np.zeros((3, H, 0), np.float32)
+    with pytest.raises(ValueError, match="head dim 0 and v 0; MLA self attention needs both > 0"):
+        cache.self_attention(0, z, z, z, sm_scale=SM)
+    assert cache.table_digest() == digest
+    cache.end_forward()
+    cache.remove_sequence(0)
+    cache.add_sequence(1)
+    _step(cache, ref, rng, [(1, 5)], "float32")  # self attention with the real dims, against NumPy
+
+
 def test_mla_self_dims_given_and_errors(target):
     rng = np.random.default_rng(1)
     cache = _cache(target, mla_self_dims=(DQ, V))

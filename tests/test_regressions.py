@@ -472,3 +472,29 @@ def test_pipeline_stage_with_fp8_pages_checkpoints_and_moves():
         transfer.move_sequence(a, 0, other, 5)
     assert other.sequence_ids() == [] and other.num_available_pages() == free
     b.check_integrity()
+
+
+def test_nan_inputs_propagate_as_softmax_propagates_them():
+    """A NaN key makes NaN the outputs of the query heads that see it, and a NaN query its own head's
+    output, as softmax attention (NumPy, torch SDPA) does; every other output is exact. (The CPU
+    kernels' exp2 clamp and running max dropped NaN: the key was skipped, the query row gave 0.)"""
+    rng = np.random.default_rng(0)
+    cache = _cache()
+    qkv = rng.standard_normal((5, H_QO + 2 * H_KV, D)).astype(np.float32)
+    qkv[2, H_QO, 0] = np.nan  # the K of token 2, kv head 0 (query heads 0 and 1)
+    qkv[4, 3, 0] = np.nan  # the query of token 4, head 3
+    cache.add_sequence(0)
+    for n, rows in ((5, qkv), (1, rng.standard_normal((1, H_QO + 2 * H_KV, D)).astype(np.float32))):
+        cache.begin_forward([0], [n])  # a prefill, then a decode step that sees the NaN key
+        o = cache.attention_with_fused_qkv(0, rows)
+        cache.end_forward()
+        qkv = rows if n == 5 else np.concatenate([qkv, rows])
+        k, v = qkv[:, H_QO : H_QO + H_KV].astype(np.float64), qkv[:, H_QO + H_KV :].astype(np.float64)
+        for i in range(n):
+            t = len(qkv) - n + i
+            with np.errstate(invalid="ignore"):
+                want = _attention(qkv[t, :H_QO].astype(np.float64), k[: t + 1], v[: t + 1])
+            nan = np.isnan(want).any(-1)
+            np.testing.assert_array_equal(np.isnan(o[i]).all(-1), nan)
+            np.testing.assert_allclose(o[i][~nan], want[~nan], atol=1e-5, rtol=1e-5)
+    assert np.isnan(o[0, :2]).all() and np.isfinite(o[0, 2:]).all()  # the decode: heads 0, 1 see the NaN

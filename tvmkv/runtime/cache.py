@@ -1003,6 +1003,11 @@ class PagedAttentionKVCache:
             lib = self.kernels
         else:  # inferred from the first call: its kernels are loaded (or built) once
             if self._mla_self is None:
+                if min(dims) <= 0:  # (0, 0) would name the kernel set without self attention
+                    raise ValueError(
+                        f"q/k have head dim {dims[0]} and v {dims[1]}; MLA self attention needs both > 0 (pass "
+                        "[total_new_tokens, num_heads, qk_dim] q and k and [..., v_dim] v)"
+                    )
                 spec = dataclasses.replace(cfg.mla_spec, self_qk_dim=int(dims[0]), self_v_dim=int(dims[1]))
                 try:
                     lib = load_kernels(spec, family="mla", arch=cfg.cuda_arch, build_dir=self._build_dir)

@@ -278,16 +278,16 @@ def build_attention(
 
     # ---------------------------------------------------------------- llvm schedule
     def exp2_neg(x):
-        # 2^x for x <= 0 in fp32 (-inf -> 0): 2^floor(x) from the exponent bits times a degree-5
-        # polynomial of the fraction (relative error < 2e-7); unlike T.exp2 (a libm call per
-        # element) it vectorizes
+        # 2^x for x <= 0 in fp32 (-inf -> 0, NaN -> NaN, as softmax propagates it): 2^floor(x) from
+        # the exponent bits times a degree-5 polynomial of the fraction (relative error < 2e-7);
+        # unlike T.exp2 (a libm call per element) it vectorizes. (The clamp's max drops a NaN.)
         xc = T.max(x, T.float32(-126.0))
         f = xc - T.floor(xc)
         p = T.float32(EXP2_POLY[5])
         for coef in EXP2_POLY[4::-1]:
             p = p * f + T.float32(coef)
         scale = T.reinterpret("float32", T.shift_left(T.Cast("int32", T.floor(xc)) + 127, 23))
-        return T.if_then_else(x == T.float32(neg_inf), T.float32(0), p * scale)
+        return T.if_then_else(x == T.float32(neg_inf), T.float32(0), T.if_then_else(T.isnan(x), x, p * scale))
 
     def tree_reduce(terms, op):
         # op over ``terms`` as a balanced tree (independent operations, unlike a serial loop)
@@ -498,9 +498,10 @@ def build_attention(
                     d_sum[mm] = d_sum[mm] * w.mx[RESCALE.alpha] + tree_reduce([S[mm, c] for c in range(C)], _add)
                     for d in T.vectorized(D):
                         O[mm, d] = O[mm, d] * w.mx[RESCALE.alpha]
-                else:
+                else:  # no key visible yet, or only NaN scores (the max drops NaN): those stay NaN
                     for c in T.vectorized(C):
-                        S[mm, c] = T.float32(0)
+                        S[mm, c] = T.if_then_else(T.isnan(S[mm, c]), S[mm, c], T.float32(0))
+                    d_sum[mm] = d_sum[mm] + tree_reduce([S[mm, c] for c in range(C)], _add)  # (NaN or 0)
             # O += P V: MR query rows x DC head-dim lanes, summed over the tile's keys in one
             # expression (pv_lanes) per row
             for mb in T.serial(M // MR):
