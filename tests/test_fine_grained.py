@@ -255,6 +255,8 @@ def test_drop_in_globals(target):
     with TvmBuiltinOverride():
         create = g("vm.builtin.paged_attention_kv_cache_create")
         ref = tvm.runtime.tensor(np.zeros((), "float32"), dev)
+        with pytest.raises(ValueError, match=r"first argument has 3 entries \[4, 128, 32\]; TVM's cache config"):
+            create([4, 128, 32], [0, 1], H_QO, H_KV, D, D, [0], False, 0, 1.0, THETA, None, ref, *[None] * 15)
         cache = create(
             [4, 128, 32, P, 0, 1024], [0, 1], H_QO, H_KV, D, D, [0], False, 0, 1.0, THETA, None, ref, *[None] * 15
         )
@@ -275,6 +277,18 @@ def test_drop_in_globals(target):
         g("vm.builtin.attention_kv_cache_cross_attention")(cache, 0, D**-0.5, t(q), o_c, l_c)
         merged = g("vm.builtin.attention_kv_cache_merge_attn_output_inplace")(cache, o_s, l_s, o_c, l_c)
         g("vm.builtin.kv_state_end_forward")(cache)
+        # DebugGetKV fills the caller's tensors after checking both (a wrong one: neither is written)
+        get_kv = g("vm.builtin.attention_kv_cache_debug_get_kv")
+        shape = (1, 5, H_KV, D)
+        kd, vd = tvm.runtime.empty(shape, "float32", dev), tvm.runtime.empty(shape, "float32", dev)
+        for bad_k, bad_v in ((tvm.runtime.empty(shape, "int32", dev), vd), (kd, t(np.zeros((1, 4, H_KV, D))))):
+            kd.copyfrom(np.full((1, 5, H_KV, D), 9, np.float32))
+            with pytest.raises(ValueError, match="debug_get_kv: [kv]_data is .*; it must be a tvm tensor of float32"):
+                get_kv(cache, 7, 0, 5, bad_k, bad_v)
+            assert (kd.numpy() == 9).all()
+        get_kv(cache, 7, 0, 5, kd, vd)
+    np.testing.assert_array_equal(kd.numpy()[0], k0)  # rope none: the keys as given
+    np.testing.assert_array_equal(vd.numpy()[0], v0)
     assert len(merged) == 2
     want_o, want_lse = _attend(q, np.arange(5, 8), np.concatenate([k0, k]), np.concatenate([v0, v]), np.arange(8))
     np.testing.assert_allclose(o_s.numpy(), want_o, atol=2e-5, rtol=1e-4)

@@ -242,6 +242,8 @@ def test_exported_model_library_and_saved_logits(tmp_path, capsys):
     assert "exported for another checkpoint, dtype or target" in capsys.readouterr().err
     assert main(["--prompt", "x"]) == 2
     assert "--prompt apply to --model DIR" in capsys.readouterr().err
+    assert main(["--max-new-tokens", "-3"]) == 2  # (the tiny model ran, ignoring it)
+    assert "--max-new-tokens apply to --model DIR" in capsys.readouterr().err
 
 
 def test_sampler_draws_from_the_kept_distribution():

@@ -196,6 +196,8 @@ def test_mla_self_dims_given_and_errors(target):
         cache.self_attention(0, *(np.zeros((3, H, DQ), np.float32),) * 3)  # v of the q/k dim
     with pytest.raises(ValueError, match=r"q has shape"):
         cache.cross_attention(0, np.zeros((3, H, DQ), np.float32))  # not absorbed
+    with pytest.raises(ForwardStateError, match="call append_mla_kv for that layer first"):
+        cache.cross_attention(0, np.zeros((3, H, D), np.float32), include_new=True)
     q = rng.standard_normal((3, H, DQ)).astype(np.float32)
     kv = rng.standard_normal((3, D)).astype(np.float32)
     cache.append_mla_kv(0, kv)

@@ -498,3 +498,35 @@ def test_nan_inputs_propagate_as_softmax_propagates_them():
             np.testing.assert_array_equal(np.isnan(o[i]).all(-1), nan)
             np.testing.assert_allclose(o[i][~nan], want[~nan], atol=1e-5, rtol=1e-5)
     assert np.isnan(o[0, :2]).all() and np.isfinite(o[0, 2:]).all()  # the decode: heads 0, 1 see the NaN
+
+
+@pytest.mark.parametrize(
+    ("option", "error", "words"),
+    [
+        (dict(num_layers=2, layer_windows=[2**32 + 3, 0]), ValueError, r"int in \[0, 2\*\*31 - 1\]"),
+        (dict(rope_scale=1e39), ValueError, r"rope_scale=1e\+39 must be .* float32's normal range"),
+        (dict(rope_theta=1e-300), ValueError, r"rope_theta=1e-300 must be .* float32's normal range"),
+        (dict(rope_theta="1e4"), TypeError, r"rope_theta='1e4' must be a positive finite float"),
+        (dict(rope_theta=float("nan")), ValueError, r"rope_theta=nan must be"),
+    ],
+    ids=["window-past-int32", "rope-scale-past-float32", "rope-theta-under-float32", "str", "nan"],
+)
+def test_options_the_kernels_take_as_int32_or_float32_are_range_checked(option, error, words):
+    """Values the kernels take as int32 / float32 are refused where they would wrap or overflow there
+    (a window of 2**32 + 3 acted as a window of 3; a huge rope_scale stored NaN keys)."""
+    opts = dict(page_size=P, max_batch_size=4, max_total_seq_len=64, prefill_chunk_size=32, dtype="float32")
+    num_layers = option.pop("num_layers", 1)
+    with pytest.raises(error, match=words):
+        tvmkv.PagedAttentionKVCache(num_layers, H_QO, H_KV, D, **opts, **option)
+
+
+def test_sm_scale_past_float32_is_refused():
+    cache = _cache()
+    cache.add_sequence(0)
+    cache.begin_forward([0], [2])
+    qkv = np.ones((2, H_QO + 2 * H_KV, D), np.float32)
+    for bad in (1e39, -1e39, float("inf")):
+        with pytest.raises(ValueError, match=r"must be finite in float32"):
+            cache.attention_with_fused_qkv(0, qkv, sm_scale=bad)
+    cache.attention_with_fused_qkv(0, qkv, sm_scale=3e38)  # the largest float32s are fine
+    cache.end_forward()

@@ -414,3 +414,47 @@ def test_sharded_cache_digest_and_subsystems_that_take_one_cache():
             call()
     assert single.sequence_ids() == [] and sharded.sequence_ids() == [0]
     checkpoint.export_checkpoint(sharded.shards[1], 0)  # what the message asks for works
+
+
+def _causal_gqa(q, k, v):
+    """Causal softmax attention in float64: q [n, H_qo, D] over k, v [n, H_kv, D] (the tokens of one
+    sequence, query i sees keys 0..i)."""
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = np.zeros((n, hq, d))
+    for i in range(n):
+        for h in range(hq):
+            s = k[: i + 1, h // group].astype(np.float64) @ q[i, h].astype(np.float64) * d**-0.5
+            p = np.exp(s - s.max())
+            out[i, h] = p @ v[: i + 1, h // group] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_sharded_rows_to_spare_and_shared_kv(kind):
+    """Across 2 shards, as on one cache: qkv and out with rows to spare (TVM's rule: the first rows are
+    read and written, the rest of out left as it was), and attention_with_shared_kv over another
+    layer's pages; against NumPy attention. (The spare rows raised after every shard had appended.)"""
+    HQ, HK, D = 4, 2, 16
+    rng = np.random.default_rng(3)
+    sh = make_sharded_cache(2, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=4)
+    sh.add_sequence(0)
+    sh.begin_forward([0], [5])
+    qkv = rng.standard_normal((8, HQ + 2 * HK, D)).astype(np.float32)
+    q2 = rng.standard_normal((5, HQ, D)).astype(np.float32)
+    out = np.full((9, HQ, D), 7, np.float32)
+    k, v = qkv[:5, HQ : HQ + HK], qkv[:5, HQ + HK :]
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        qkv, out, q2, k, v = (torch.from_numpy(np.ascontiguousarray(x)) for x in (qkv, out, q2, k, v))
+    assert sh.attention_with_fused_qkv(0, qkv, out=out) is out
+    o2 = sh.attention_with_shared_kv(0, q2, k, v)
+    sh.end_forward()
+    out, o2, qkv, q2 = (np.asarray(x) for x in (out, o2, qkv, q2))
+    want = _causal_gqa(qkv[:5, :HQ], qkv[:5, HQ : HQ + HK], qkv[:5, HQ + HK :])
+    np.testing.assert_allclose(out[:5], want, atol=1e-5, rtol=1e-5)
+    assert (out[5:] == 7).all()
+    np.testing.assert_allclose(o2, _causal_gqa(q2, qkv[:5, HQ : HQ + HK], qkv[:5, HQ + HK :]), atol=1e-5, rtol=1e-5)
+    sh.check_integrity()
+    with pytest.raises(AttributeError, match="'self_attention' .* not offered across shards"):
+        sh.self_attention  # noqa: B018

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import math
+import numbers
 from dataclasses import dataclass
 
 from .tir import ROPE_MODES
 from .tir.rope_scaling import RopeScaling, kernel_variant
 from .tir.spec import KernelSpec, MlaSpec, dtype_bytes
+
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,15 @@ class CacheConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.rope_mode not in ROPE_MODES:
             raise ValueError(f"rope_mode={self.rope_mode!r} is not one of {ROPE_MODES}")
-        if not (self.rope_scale > 0 and math.isfinite(self.rope_scale)):
-            raise ValueError(f"rope_scale={self.rope_scale!r} must be a positive finite float")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"rope_theta={self.rope_theta!r} must be a positive finite float")
+        for name in ("rope_scale", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name}={value!r} must be a positive finite float")
+            if not FLOAT32_TINY <= float(value) <= FLOAT32_MAX:  # (NaN fails too) the kernels compute in float32
+                raise ValueError(
+                    f"{name}={value!r} must be a positive finite float within float32's normal range "
+                    f"[{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (the kernels compute RoPE in float32)"
+                )
         rs = RopeScaling.parse(self.rope_scaling, rotary_dim=self.rotary_dim).resolved(self.head_dim)
         object.__setattr__(self, "rope_scaling", rs)  # frozen: normalized once, here
         object.__setattr__(self, "rotary_dim", rs.rotary_dim)
@@ -127,8 +136,11 @@ class CacheConfig:
                     f"layer_windows={ws!r} must be a tuple of {self.num_layers} window sizes (one per layer, 0 for "
                     "full attention)"
                 )
-            if any(not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in ws):
-                raise ValueError(f"layer_windows={ws!r}: each window must be an int >= 0 (0: full attention)")
+            if any(not isinstance(w, int) or isinstance(w, bool) or not 0 <= w <= INT32_MAX for w in ws):
+                raise ValueError(
+                    f"layer_windows={ws!r}: each window must be an int in [0, 2**31 - 1] (0: full attention; the "
+                    "kernels take it as int32, and a window longer than every sequence is full attention too)"
+                )
         if self.decode_splits is not None and (
             not isinstance(self.decode_splits, int) or isinstance(self.decode_splits, bool) or self.decode_splits < 1
         ):

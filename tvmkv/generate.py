@@ -48,6 +48,7 @@ import numpy as np
 from tvmkv.build import BUILD_DIR_HELP, default_build_dir
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
+MAX_NEW_TOKENS = 64  # --max-new-tokens (a Hugging Face checkpoint only)
 
 
 @dataclass
@@ -487,7 +488,7 @@ def _parser() -> argparse.ArgumentParser:
         "Qwen3; the generated text is streamed to stdout",
     )
     hf.add_argument("--prompt", default=None, help="the text to continue (in the chat template where there is one)")
-    hf.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    hf.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, metavar="N")
     hf.add_argument("--no-chat-template", action="store_true", help="encode the prompt as it is")
     hf.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
     hf.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: all)")
@@ -572,6 +573,7 @@ def _check_options(args) -> str | None:
         "--memory-fraction": args.memory_fraction is not None,
         "--no-chat-template": args.no_chat_template,
         "--ignore-eos": args.ignore_eos,
+        "--max-new-tokens": args.max_new_tokens != MAX_NEW_TOKENS,
         "--temperature / --top-k / --top-p": (args.temperature, args.top_k, args.top_p) != (0.0, 0, 1.0),
     }
     named = [flag for flag, on in model_only.items() if on]

@@ -213,13 +213,26 @@ def _begin_forward(cache: PagedAttentionKVCache, seq_ids, append_lengths, token_
 def _debug_get_kv(cache: PagedAttentionKVCache, seq_id, start_pos, end_pos, k_data, v_data):
     """TVM's DebugGetKV: fill ``k_data``/``v_data`` ``[num_layers, end - start, H_kv, D]`` in place."""
     k, v = cache.debug_get_kv(seq_id, start_pos, end_pos)
-    k_data.copyfrom(np.ascontiguousarray(k))
-    v_data.copyfrom(np.ascontiguousarray(v))
+    _fill([("k_data", k_data, k), ("v_data", v_data, v)], "debug_get_kv")
 
 
 def _debug_get_kv_mla(cache: PagedAttentionKVCache, seq_id, start_pos, end_pos, kv_data):
     """TVM's DebugGetKVMLA: fill ``kv_data`` ``[num_layers, end - start, qk_head_dim]`` in place."""
-    kv_data.copyfrom(np.ascontiguousarray(cache.debug_get_kv_mla(seq_id, start_pos, end_pos)))
+    _fill([("kv_data", kv_data, cache.debug_get_kv_mla(seq_id, start_pos, end_pos))], "debug_get_kv_mla")
+
+
+def _fill(targets: list, what: str) -> None:
+    """Copy each ``(name, tensor, values)``'s NumPy values into the caller's tensor, once every tensor
+    is checked to be a tvm tensor of the values' shape and dtype (nothing is written otherwise)."""
+    for name, t, values in targets:
+        shape, dtype = tuple(getattr(t, "shape", ())), str(getattr(t, "dtype", type(t).__name__))
+        if not hasattr(t, "copyfrom") or shape != values.shape or dtype != str(values.dtype):
+            raise ValueError(
+                f"{what}: {name} is {dtype} {list(shape)}; it must be a tvm tensor of {values.dtype} "
+                f"{list(values.shape)} ([num_layers, end_pos - start_pos, ...] of the cache's dtype)"
+            )
+    for _, t, values in targets:
+        t.copyfrom(np.ascontiguousarray(values))
 
 
 def _merge(cache: PagedAttentionKVCache, o_self, lse_self, o_cross, lse_cross):
@@ -462,6 +475,11 @@ class TvmBuiltinOverride:
             raise TypeError(f"{CREATE} expects TVM 0.27's 28 arguments, got {len(args)}")
         sizes, partition, hq, hkv, qk_dim, v_dim, kinds, disagg, rope, scale, theta, ext, ref = args[:13]
         sizes = [int(x) for x in sizes]
+        if len(sizes) < 5:
+            raise ValueError(
+                f"{CREATE}: its first argument has {len(sizes)} entries {sizes}; TVM's cache config starts with "
+                "[max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window]"
+            )
         max_batch, max_total, chunk, page_size, sliding = sizes[:5]
         kinds = [int(k) for k in kinds]
         first, end = _stage_layers([int(x) for x in partition], len(kinds))

@@ -15,12 +15,12 @@ leaves the cache as it was.
 
 from __future__ import annotations
 
-import math
+import numbers
 from operator import attrgetter
 
 import numpy as np
 
-from ..config import CacheConfig
+from ..config import FLOAT32_MAX, CacheConfig
 from ..errors import ForwardStateError, IntegrityError, OutOfPagesError
 from ..target import parse_target
 from . import tensors
@@ -357,6 +357,12 @@ class PagedAttentionKVCache:
     def forward_open(self) -> bool:
         """Whether a forward is open (between ``begin_forward`` and ``end_forward``)."""
         return self._fwd is not None
+
+    @property
+    def forward_tokens(self) -> int:
+        """New tokens of the open forward (``sum(append_lengths)``; 0 when none is open): the rows of
+        ``qkv`` the attention calls read."""
+        return 0 if self._fwd is None else self._fwd.total
 
     def require_no_forward(self, what: str) -> None:
         """ForwardStateError naming ``what`` when a forward is open (for components built on the cache)."""
@@ -876,8 +882,9 @@ class PagedAttentionKVCache:
         if include_new and self._ran[layer] != self._step:
             raise ForwardStateError(
                 f"cross_attention(include_new=True) reads this forward's tokens from layer {layer}'s pages, but "
-                "nothing appended them in this forward; call attention_with_fused_qkv for that layer first, or "
-                "pass include_new=False"
+                f"nothing appended them in this forward; call "
+                f"{'append_mla_kv' if self._mla else 'attention_with_fused_qkv'} for that layer first, or pass "
+                "include_new=False"
             )
         n = fwd.total
         shape = (n, cfg.num_qo_heads, cfg.head_dim)
@@ -1079,8 +1086,8 @@ class PagedAttentionKVCache:
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating, np.integer)):
             raise TypeError(f"sm_scale={sm_scale!r} must be a float (e.g. head_dim ** -0.5) or None")
         sm_scale = float(sm_scale)
-        if not math.isfinite(sm_scale):
-            raise ValueError(f"sm_scale={sm_scale} must be finite")
+        if not abs(sm_scale) <= FLOAT32_MAX:  # (NaN and inf fail too)
+            raise ValueError(f"sm_scale={sm_scale} must be finite in float32, the kernels' type (|sm_scale| <= 3.4e38)")
         return sm_scale
 
     def end_forward(self) -> None:
@@ -1617,7 +1624,8 @@ class PagedAttentionKVCache:
         if kind != "numpy" and got_dev != want_dev:
             raise ValueError(f"{name} is on {got_dev} but the cache's kernels run on {want_dev}; move it there")
         if not tensors.is_contiguous(x, kind):
-            raise ValueError(f"{name} is not contiguous; pass a contiguous array (e.g. .contiguous())")
+            fix = "np.ascontiguousarray(x)" if kind == "numpy" else "x.contiguous()"
+            raise ValueError(f"{name} is not contiguous; pass a contiguous array (e.g. {fix})")
         return kind
 
     def _check_apart(self, qkv, out, fwd) -> None:
@@ -1814,8 +1822,8 @@ def make_config(
         dtype=dtype,
         kv_dtype=kv_dtype,
         rope_mode=rope_mode,
-        rope_scale=float(rope_scale),
-        rope_theta=float(rope_theta),
+        rope_scale=_real(rope_scale, "rope_scale"),
+        rope_theta=_real(rope_theta, "rope_theta"),
         rope_scaling=rope_scaling,
         rotary_dim=rotary_dim,
         support_sliding_window=bool(support_sliding_window),
@@ -1833,6 +1841,14 @@ def make_config(
         mla_self_dims=tuple(mla_self_dims or ()),
     )
     return config
+
+
+def _real(value, name: str) -> float:
+    """``value`` (a Python or NumPy real number, not a bool or a string) as a float; the range is the
+    config's to check."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} must be a positive finite float")
+    return float(value)
 
 
 def _windows(layer_windows, num_layers) -> tuple:

@@ -88,6 +88,14 @@ class ShardedKVCache:
         # interop, RadixPrefixCache) reach for a PagedAttentionKVCache's own parts (pool, pages, device)
         if name.startswith("__") or name in ("layout", "shards", "config"):
             raise AttributeError(name)
+        from .cache import PagedAttentionKVCache
+
+        if not name.startswith("_") and hasattr(PagedAttentionKVCache, name):
+            raise AttributeError(
+                f"ShardedKVCache has no {name!r} (PagedAttentionKVCache.{name} is not offered across shards: "
+                "MLA calls, fine-grained per-layer calls, host-side views); call it on each shard "
+                "(sharded.shards[i], its heads: sharded.layout) where that makes sense"
+            )
         raise AttributeError(
             f"ShardedKVCache has no {name!r}: checkpoints, transfers, interop and RadixPrefixCache take one "
             "PagedAttentionKVCache; pass each shard (sharded.shards[i], its heads: sharded.layout) instead"
@@ -233,7 +241,9 @@ class ShardedKVCache:
 
             if out is not None:
                 want = (qkv.shape[0], self.layout.num_qo_heads, qkv.shape[2])
-                if tensors.array_kind(out) != "tvm" or tuple(out.shape) != want or out.dtype != qkv.dtype:
+                rows = min(want[0], self.shards[0].forward_tokens) or want[0]  # (out may have rows to spare)
+                got = tuple(out.shape) if tensors.array_kind(out) == "tvm" else ()
+                if not got or got[0] < rows or got[1:] != want[1:] or out.dtype != qkv.dtype:
                     raise ValueError(
                         f"out ({type(out).__name__} {tuple(getattr(out, 'shape', ()))}) must be a tvm tensor of "
                         f"shape {list(want)} and dtype {qkv.dtype}, like qkv"
@@ -241,6 +251,8 @@ class ShardedKVCache:
             o = self.attention_with_fused_qkv(layer_id, qkv.numpy(), sm_scale)
             if out is None:
                 return tvm.runtime.tensor(o, qkv.device)
+            if out.shape[0] > o.shape[0]:  # rows to spare: the first ones written, the rest kept
+                o = np.concatenate([o, out.numpy()[o.shape[0] :]])
             out.copyfrom(o)
             return out
         if getattr(qkv, "ndim", 0) != 3 or qkv.shape[1] != self.config.qkv_heads:
@@ -248,6 +260,12 @@ class ShardedKVCache:
                 f"qkv of shape {tuple(getattr(qkv, 'shape', ()))} must be [num_tokens, {self.config.qkv_heads}, "
                 f"{self.config.head_dim}] (H_qo + 2 H_kv heads of the whole model; each shard takes its own)"
             )
+        total = self.shards[0].forward_tokens  # rows to spare (as the cache takes them): the first ones
+        if qkv.shape[0] > total > 0:
+            qkv = qkv[:total]
+        if out is not None and qkv.shape[0] == total and getattr(out, "ndim", 0) == 3 and out.shape[0] > total:
+            self.attention_with_fused_qkv(layer_id, qkv, sm_scale, out[:total])
+            return out
         n, hq = qkv.shape[0], self.layout.qo_per_shard
         if out is None:
             if kind == "numpy":
@@ -269,6 +287,40 @@ class ShardedKVCache:
             parts.append(shard.attention_with_fused_qkv(layer_id, part, sm_scale))
         for s, o in enumerate(parts):  # written only once every shard has appended its K/V
             out[:, s * hq : (s + 1) * hq] = o
+        return out
+
+    def attention_with_shared_kv(self, layer_id, q, k, v, out=None, sm_scale=None, *, rotate_q=False):
+        """:meth:`PagedAttentionKVCache.attention_with_shared_kv` for the whole model: each shard attends
+        with its own query heads of ``q`` (``[n, H_qo, D]``) over its pages of layer ``layer_id``; ``k``
+        and ``v`` (``[n, H_kv, D]``, checked only) are cut the same way. NumPy or torch; the outputs are
+        put side by side in ``[n, H_qo, D]`` (``out`` written in place when given)."""
+        kind = tensors.array_kind(q)
+        if kind == "tvm":
+            raise TypeError("ShardedKVCache.attention_with_shared_kv takes NumPy or torch arrays; pass q.numpy()")
+        for x, name, heads in ((q, "q", self.layout.num_qo_heads), (k, "k", None), (v, "v", None)):
+            want = heads or self.layout.num_kv_heads
+            if getattr(x, "ndim", 0) != 3 or x.shape[1] != want:
+                raise ValueError(
+                    f"{name} of shape {tuple(getattr(x, 'shape', ()))} must be [num_tokens, {want}, "
+                    f"{self.config.head_dim}] (the heads of the whole model; each shard takes its own)"
+                )
+        n, hq = q.shape[0], self.layout.qo_per_shard
+        if out is None:
+            out = np.empty(q.shape, q.dtype) if kind == "numpy" else q.new_empty(q.shape)
+        else:
+            self._check_out(q, out, kind, tuple(q.shape))
+        parts = []
+        for s, shard in enumerate(self.shards):
+            qo, kv = self.layout.qo_heads(s), self.layout.kv_heads(s)
+            cut = [x[:, r.start : r.stop] for x, r in ((q, qo), (k, kv), (v, kv))]
+            if kind == "numpy":
+                cut = [np.ascontiguousarray(x) for x in cut]
+            else:
+                cut = [x.contiguous() for x in cut]
+            qs, ks, vs = cut
+            parts.append(shard.attention_with_shared_kv(layer_id, qs, ks, vs, sm_scale=sm_scale, rotate_q=rotate_q))
+        for s, o in enumerate(parts):
+            out[:n, s * hq : (s + 1) * hq] = o
         return out
 
     @staticmethod
