@@ -660,7 +660,10 @@ def test_scheduler_finish_between_schedule_and_step_done(target):
     cache.begin_forward(plan.seq_ids, plan.lengths)
     with pytest.raises(ForwardStateError, match="Scheduler.finish"):
         sched.finish(2)
-    assert sched.queue_ids(RUNNING) == [1, 2] and cache.sequence_ids() == [1, 2]
+    with pytest.raises(ForwardStateError, match="Scheduler.step_done"):
+        sched.step_done(plan, finished=[2])
+    assert sched.queue_ids(RUNNING) == [1, 2] and cache.sequence_ids() == [1, 2] and not plan.done
+    assert sched.seqs[1].num_computed == 0
     cache.end_forward()
     sched.finish(1)
     sched.add_request(1, 3)  # the id again, a new request: not the plan's part

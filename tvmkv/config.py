@@ -12,6 +12,7 @@ from .tir.spec import KernelSpec, MlaSpec, dtype_bytes
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax runs in base 2
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,15 @@ class CacheConfig:
                     f"{name}={value!r} must be a positive finite float within float32's normal range "
                     f"[{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (the kernels compute RoPE in float32)"
                 )
+        # the largest RoPE angle, position * rope_scale / rope_theta ** (2i / head_dim) at an int32
+        # position, must stay finite in float32 (an infinite angle stores NaN keys)
+        fastest = float(self.rope_scale) * max(1.0, float(self.rope_theta) ** (2 / self.head_dim - 1))
+        if fastest * INT32_MAX > FLOAT32_MAX:
+            raise ValueError(
+                f"rope_scale={self.rope_scale!r} with rope_theta={self.rope_theta!r}: the RoPE angle position * "
+                "rope_scale / rope_theta ** (2i / head_dim) overflows float32 at int32 positions (keep rope_scale "
+                f"/ min_i rope_theta ** (2i / head_dim) <= {FLOAT32_MAX / INT32_MAX:.3g})"
+            )
         rs = RopeScaling.parse(self.rope_scaling, rotary_dim=self.rotary_dim).resolved(self.head_dim)
         object.__setattr__(self, "rope_scaling", rs)  # frozen: normalized once, here
         object.__setattr__(self, "rotary_dim", rs.rotary_dim)

@@ -20,7 +20,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from ..config import FLOAT32_MAX, CacheConfig
+from ..config import FLOAT32_MAX, LOG2E, CacheConfig
 from ..errors import ForwardStateError, IntegrityError, OutOfPagesError
 from ..target import parse_target
 from . import tensors
@@ -1086,8 +1086,11 @@ class PagedAttentionKVCache:
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating, np.integer)):
             raise TypeError(f"sm_scale={sm_scale!r} must be a float (e.g. head_dim ** -0.5) or None")
         sm_scale = float(sm_scale)
-        if not abs(sm_scale) <= FLOAT32_MAX:  # (NaN and inf fail too)
-            raise ValueError(f"sm_scale={sm_scale} must be finite in float32, the kernels' type (|sm_scale| <= 3.4e38)")
+        if not abs(sm_scale) <= FLOAT32_MAX / LOG2E:  # (NaN and inf fail too) the kernels scale by it in base 2
+            raise ValueError(
+                f"sm_scale={sm_scale} must be finite in float32 once the kernels multiply it by log2(e) "
+                f"(|sm_scale| <= {FLOAT32_MAX / LOG2E:.4g})"
+            )
         return sm_scale
 
     def end_forward(self) -> None:

@@ -42,8 +42,8 @@ ids, ``add_request(..., tokens=...)``, whose sampled tokens ``step_done(..., sam
 - the tree gets every full page of a running sequence after each step (``insert``: other requests
   reuse a prompt while it is still running; no copy-on-write, its partial last page stays private)
   and all of a sequence's pages when it finishes or is recompute-preempted (insert, then remove; a
-  preempted one only when its pages stay evictable then, which a fork sharing pages with a running
-  sequence's does not: planning counts the victims' pages as available);
+  preempted one only when its pages stay evictable then: each of its pages is the tree's or its
+  alone, which a fork's shared with a running parent are not; planning counts them available);
 - a partially matched page pins its page as the copy's source until the first forward: an admission
   that would not fit with it reuses the matched full pages alone;
 - page accounting counts the tree's evictable pages as available (the cache evicts them before it
@@ -457,7 +457,8 @@ class Scheduler:
 
         Raises before changing anything: ValueError for a plan already completed or superseded by a
         later :meth:`schedule`, KeyError / TypeError / ValueError for ``finished`` (ids this scheduler
-        knows, each once) and ``sampled``.
+        knows, each once) and ``sampled``, ForwardStateError while a forward is open (call
+        ``end_forward`` first).
         """
         if plan is not self._open:
             if getattr(plan, "done", False):
@@ -481,6 +482,7 @@ class Scheduler:
                 f"sequences {missing} have token ids and sampled a token: pass sampled={{seq_id: token}} for them"
             )
         new = {sid: _token(sampled[sid], sid) for sid in need}  # validated before anything changes
+        self.cache.require_no_forward("Scheduler.step_done")  # (the forward ran: it has ended)
         plan.done, self._open, self._open_states = True, None, {}
         for part in parts:
             st = self.seqs[part.seq_id]
@@ -553,17 +555,15 @@ class Scheduler:
 
     def _leaves_evictable(self, st: SeqState) -> bool:
         """Whether the pages of running ``st``, inserted into the prefix cache and then removed from the
-        cache, stay evictable, as planning counted them released: ``st`` holds the tree's pages of its
-        cached full pages and every other page of it is its alone. A page it shares otherwise (a fork's
-        with its running parent) would pin the new tree node, whose pages could then be neither freed
-        nor evicted."""
+        cache, stay evictable, as planning counted them released: every page of it that is not one of
+        the tree's (those its tokens match) is its alone. A page it shares otherwise (a fork's with its
+        running parent) would pin the new tree node, whose pages could then be neither freed nor
+        evicted."""
         assert st.tokens is not None and self.prefix_cache is not None  # (_uses_prefix)
         tokens = st.tokens[: st.num_computed]
-        if not self.prefix_cache.holds_cached_prefix(st.seq_id, tokens):
-            return False
-        cached = self.prefix_cache.prefix_pages(tokens, max_reuse=len(tokens))[0] // self.page_size
-        own = len(self.cache.sequence_pages(st.seq_id)) - cached
-        return self.cache.num_pages_released_by([st.seq_id]) == own
+        tree = set(self.prefix_cache.prefix_pages(tokens, max_reuse=len(tokens))[1])
+        own = [p for p in self.cache.sequence_pages(st.seq_id) if p not in tree]
+        return self.cache.num_pages_released_by([st.seq_id]) == len(own)
 
     def _free_pages(self) -> int:
         """Pages a forward can get now: free ones and those the prefix cache could evict."""

@@ -246,7 +246,7 @@ class ShardedKVCache:
                 if not got or got[0] < rows or got[1:] != want[1:] or out.dtype != qkv.dtype:
                     raise ValueError(
                         f"out ({type(out).__name__} {tuple(getattr(out, 'shape', ()))}) must be a tvm tensor of "
-                        f"shape {list(want)} and dtype {qkv.dtype}, like qkv"
+                        f"shape [{rows} or more, {want[1]}, {want[2]}] and dtype {qkv.dtype}, like qkv"
                     )
             o = self.attention_with_fused_qkv(layer_id, qkv.numpy(), sm_scale)
             if out is None:
@@ -297,12 +297,13 @@ class ShardedKVCache:
         kind = tensors.array_kind(q)
         if kind == "tvm":
             raise TypeError("ShardedKVCache.attention_with_shared_kv takes NumPy or torch arrays; pass q.numpy()")
+        total = self.shards[0].forward_tokens
         for x, name, heads in ((q, "q", self.layout.num_qo_heads), (k, "k", None), (v, "v", None)):
-            want = heads or self.layout.num_kv_heads
-            if getattr(x, "ndim", 0) != 3 or x.shape[1] != want:
+            want = (total, heads or self.layout.num_kv_heads, self.config.head_dim)
+            if tuple(getattr(x, "shape", ())) != want and total:
                 raise ValueError(
-                    f"{name} of shape {tuple(getattr(x, 'shape', ()))} must be [num_tokens, {want}, "
-                    f"{self.config.head_dim}] (the heads of the whole model; each shard takes its own)"
+                    f"{name} of shape {tuple(getattr(x, 'shape', ()))} must be {list(want)} (the forward's tokens, "
+                    "the heads of the whole model: each shard takes its own)"
                 )
         n, hq = q.shape[0], self.layout.qo_per_shard
         if out is None:
