@@ -608,6 +608,9 @@ class DiscoKVCache:
     def swapped_sequence_ids(self) -> list:
         return self._query("swapped_sequence_ids")
 
+    def reserved_sequence_ids(self) -> list:
+        return self._query("reserved_sequence_ids")
+
     def num_pages_released_by(self, seq_ids) -> int:
         return self._query("num_pages_released_by", seq_ids)
 

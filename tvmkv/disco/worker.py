@@ -64,6 +64,7 @@ QUERIES = frozenset(
         "num_pages_released_by",
         "is_swapped",
         "swapped_sequence_ids",
+        "reserved_sequence_ids",
         "require_no_forward",
     }
 )
