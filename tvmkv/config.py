@@ -115,6 +115,7 @@ class CacheConfig:
                     f"{name}={value!r} must be a positive finite float within float32's normal range "
                     f"[{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (the kernels compute RoPE in float32)"
                 )
+            object.__setattr__(self, name, float(value))  # frozen: normalized once, here
         # the largest RoPE angle, position * rope_scale / rope_theta ** (2i / head_dim) at an int32
         # position, must stay finite in float32 (an infinite angle stores NaN keys)
         fastest = float(self.rope_scale) * max(1.0, float(self.rope_theta) ** (2 / self.head_dim - 1))

@@ -15,7 +15,6 @@ leaves the cache as it was.
 
 from __future__ import annotations
 
-import numbers
 from operator import attrgetter
 
 import numpy as np
@@ -1825,8 +1824,8 @@ def make_config(
         dtype=dtype,
         kv_dtype=kv_dtype,
         rope_mode=rope_mode,
-        rope_scale=_real(rope_scale, "rope_scale"),
-        rope_theta=_real(rope_theta, "rope_theta"),
+        rope_scale=rope_scale,
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rotary_dim=rotary_dim,
         support_sliding_window=bool(support_sliding_window),
@@ -1844,14 +1843,6 @@ def make_config(
         mla_self_dims=tuple(mla_self_dims or ()),
     )
     return config
-
-
-def _real(value, name: str) -> float:
-    """``value`` (a Python or NumPy real number, not a bool or a string) as a float; the range is the
-    config's to check."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}={value!r} must be a positive finite float")
-    return float(value)
 
 
 def _windows(layer_windows, num_layers) -> tuple:
