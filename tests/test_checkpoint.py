@@ -632,6 +632,34 @@ def test_transfer_refuses_mismatched_caches_and_lengths():
     sender.check_integrity()
 
 
+def test_checkpoint_calls_refuse_a_transfer_receive():
+    """A receive (prepare_receive) is a pending import, but not a checkpoint's: filling it with
+    import_page_group and finishing it with finish_import took the pages without the checkpoint's
+    length or fp8 scales checked (an 18-token checkpoint became a 20-token sequence; fp8 codes came
+    back scaled by the receiver's scale over the sender's). Both refuse it now and change nothing; the
+    receive still takes send_sequence and commit, and abort_import still frees it."""
+    rows = _rows(6, 21)
+    sender, receiver = _cache(), _cache()
+    _fill(sender, 0, rows)
+    cp = checkpoint.export_checkpoint(sender, 0)
+    recv = transfer.prepare_receive(receiver, 1, 8)  # (the same 2 pages as the 6-token checkpoint)
+    before = _state(receiver)
+    with pytest.raises(ValueError, match="import_page_group: sequence 1's pending import is a transfer receive"):
+        checkpoint.import_page_group(receiver, 1, 0, cp.groups[0])
+    with pytest.raises(ValueError, match="finish_import: .* fill it with send_sequence"):
+        checkpoint.finish_import(receiver, 1)
+    assert _state(receiver) == before and recv.pending and not recv.sent
+    checkpoint.abort_import(receiver, 1)
+    assert not recv.pending and receiver.is_empty()
+    recv = transfer.prepare_receive(receiver, 1, 6)
+    transfer.send_sequence(sender, 0, recv)
+    recv.commit()
+    np.testing.assert_array_equal(receiver.debug_get_kv(1)[0], _k(rows))
+    checkpoint.import_checkpoint(receiver, 2, cp)  # a checkpoint import is unaffected
+    assert receiver.sequence_length(2) == 6
+    receiver.check_integrity()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
 def test_move_and_checkpoint_between_gpu_and_cpu_caches():

@@ -110,17 +110,21 @@ class PendingImport:
     """Pages reserved for ``seq_id`` (``length`` tokens) until the import finishes or is abandoned.
 
     ``imported[l]`` tells whether layer ``l``'s pages were written. A record is live while its
-    :class:`ImportReservations` lists it; finishing or aborting takes it out.
+    :class:`ImportReservations` lists it; finishing or aborting takes it out. ``receive``: reserved by
+    :func:`tvmkv.runtime.transfer.prepare_receive` (filled by ``send_sequence``, committed by
+    ``Receive.commit``), not by :func:`prepare_import`; the checkpoint calls that fill and finish an
+    import refuse it (its pages would be taken without the checkpoint's length and scales checked).
     """
 
-    __slots__ = ("seq_id", "length", "pages", "imported", "scales")
+    __slots__ = ("seq_id", "length", "pages", "imported", "scales", "receive")
 
-    def __init__(self, seq_id: int, length: int, pages: list, num_layers: int):
+    def __init__(self, seq_id: int, length: int, pages: list, num_layers: int, *, receive: bool = False):
         self.seq_id = seq_id
         self.length = length
         self.pages = pages
         self.imported = [False] * num_layers
         self.scales = None  # fp8 checkpoints: the [L, 2, H_kv] scales its codes were stored under
+        self.receive = receive
 
 
 class ImportReservations:
@@ -158,14 +162,15 @@ class ImportReservations:
         self.pending.clear()
 
     # reservations
-    def reserve(self, cache, seq_id: int, length: int) -> PendingImport:
-        """Reserve ``ceil(length / P)`` free pages for ``seq_id`` (checked by :func:`check_new_id`)."""
+    def reserve(self, cache, seq_id: int, length: int, *, receive: bool = False) -> PendingImport:
+        """Reserve ``ceil(length / P)`` free pages for ``seq_id`` (checked by :func:`check_new_id`);
+        ``receive``: for a transfer (:class:`PendingImport`)."""
         m = -(-length // cache.config.page_size)
         if not cache.pool.ensure_free(m):  # a prefix cache may evict pages only it holds
             raise OutOfPagesError(
                 m, cache.num_available_pages(), f"an import of {length} tokens into sequence {seq_id}"
             )
-        rec = PendingImport(seq_id, length, cache.pool.alloc(m), cache.config.num_layers)
+        rec = PendingImport(seq_id, length, cache.pool.alloc(m), cache.config.num_layers, receive=receive)
         self.pending[seq_id] = rec
         cache_ref = weakref.ref(cache)  # no cycle cache -> table -> callback -> cache
 
@@ -174,7 +179,11 @@ class ImportReservations:
             if c is not None:
                 self.abort(c, rec)
 
-        what = f"an import into it is in progress; finish_import({seq_id}) or abort_import({seq_id}) it"
+        what = (
+            "a transfer into it is in progress (prepare_receive); commit or abort that Receive"
+            if receive
+            else f"an import into it is in progress; finish_import({seq_id}) or abort_import({seq_id}) it"
+        )
         cache.reserve_sequence_id(seq_id, what, abandon)
         return rec
 
@@ -222,6 +231,19 @@ def pending(cache, seq_id) -> tuple:
     if rec is None:
         raise KeyError(
             f"no import of sequence {seq_id} is pending; prepare it first (prepare_import / prepare_receive)"
+        )
+    return res, rec
+
+
+def pending_checkpoint(cache, seq_id, what: str) -> tuple:
+    """:func:`pending` for the checkpoint calls that fill or finish an import (``what``): a reservation
+    of :func:`tvmkv.runtime.transfer.prepare_receive` is refused (ValueError)."""
+    res, rec = pending(cache, seq_id)
+    if rec.receive:
+        raise ValueError(
+            f"{what}: sequence {rec.seq_id}'s pending import is a transfer receive (prepare_receive), not a "
+            "checkpoint import; fill it with send_sequence and commit it with Receive.commit, or abort it and "
+            "prepare_import the checkpoint"
         )
     return res, rec
 
@@ -706,7 +728,7 @@ def import_page_group(cache, seq_id, group_id, src) -> None:
     ``src``: ``[1, m, 2, H_kv, P, D]`` of the cache dtype (tvm tensor on the cache's device or the CPU,
     NumPy, or torch), whole pages. Each group once (ValueError for a repeat).
     """
-    _, rec = pending(cache, seq_id)
+    _, rec = pending_checkpoint(cache, seq_id, "import_page_group")
     group = _group(cache, group_id)
     if rec.imported[group]:
         raise ValueError(f"page group {group} of sequence {rec.seq_id}'s import was already imported")
@@ -721,7 +743,7 @@ def import_page_group(cache, seq_id, group_id, src) -> None:
 
 def finish_import(cache, seq_id) -> None:
     """Make the imported ``seq_id`` a sequence of the cache (every page group must be imported)."""
-    res, rec = pending(cache, seq_id)
+    res, rec = pending_checkpoint(cache, seq_id, "finish_import")
     res.finish(cache, rec)
 
 

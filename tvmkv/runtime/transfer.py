@@ -133,7 +133,7 @@ def prepare_receive(receiver, seq_id, length) -> Receive:
     if length < 0:
         raise ValueError(f"length={length} must be >= 0 (the tokens of the sequence to receive)")
     check_compatible(receiver, receiver)  # MHA pages
-    rec = ImportReservations.of(receiver).reserve(receiver, seq_id, length)
+    rec = ImportReservations.of(receiver).reserve(receiver, seq_id, length, receive=True)
     return Receive(receiver, seq_id, length, rec)
 
 
