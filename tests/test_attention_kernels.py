@@ -480,14 +480,36 @@ LONG_CFGS = [CORE[0], CORE[1], EXTRA[0]]
 
 @pytest.mark.parametrize("cfg", LONG_CFGS, ids=lambda c: "-".join(map(str, c)))
 def test_long_prefill(target, cfg, rng):
-    """Longer sequences: many key tiles and query-row blocks (the CPU schedule groups up to 16 / group
+    """Longer sequences: many key tiles and query-row blocks (the CPU schedule groups up to 64 / group
     rows of one sequence), blocks that straddle sequence boundaries and a block cut short at the end."""
     spec = _spec(target, cfg)
     lib = _kernels(spec)
-    hist, new = [0, 70, 5, 130], [45, 37, 19, 2]
+    hist, new = [0, 70, 5, 130], [150, 37, 19, 2]
     for mask in ("causal", "none"):
         _run_paged_prefill(target, spec, lib, mask, hist, new, rng=rng)
-    _run_ragged(target, spec, lib, "causal", [45, 37, 19, 2], rng=rng)
+    _run_ragged(target, spec, lib, "causal", [150, 37, 19, 2], rng=rng)
+
+
+@pytest.mark.parametrize("h_qo", [2, 4, 6, 36], ids=lambda h: f"group{h // 2}")
+def test_cpu_register_blocks_of_every_shape(h_qo, rng):
+    """The CPU schedule's register blocks of S = Q K^T (MR query vectors x CR keys) and O += P V take
+    MR = 4, 2 or 1 by the block's query vectors: groups 1, 2 (decode: MR 1, 2), 3 (prefill: 63 vectors,
+    MR 1) and 18 (prefill: 54 vectors, MR 2), each against the fp64 reference."""
+    spec = KernelSpec(h_qo, 2, 32, 4, "float32", "llvm")
+    lib = _kernels(spec)
+    hist, new = [0, 9, 40], [70, 5, 33]
+    for mask in ("causal", "none"):
+        _run_paged_prefill("llvm", spec, lib, mask, hist, new, rng=rng)
+    _run_ragged("llvm", spec, lib, "causal", new, rng=rng)
+    kv_lens = [1, 37, 100]
+    pg = Paged(rng, spec, kv_lens)
+    q = _rand(rng, (3, h_qo, 32), "float32")
+    q_pos = np.array(kv_lens, np.int32) - 1
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), 32**-0.5, ROPE_SCALE, ROPE_THETA)
+    o, lse = to_dev(np.ones_like(q), "llvm"), to_dev(np.zeros((3, h_qo), np.float32), "llvm")
+    args = [to_dev(a, "llvm") for a in (q, q_pos, pg.pages, *pg.tables())]
+    lib["paged_decode"](*args, o, lse, 32**-0.5, ROPE_SCALE, ROPE_THETA)
+    _check(o, lse, o_ref, lse_ref, "float32")
 
 
 # Configurations of the cuda tensor-core prefill (tvmkv.tir.prefill_cuda): fp16 D 64/128 x page

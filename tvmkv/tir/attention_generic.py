@@ -15,9 +15,9 @@ the key scan at the tile of the first key that may lie in it:
 * llvm: ``T.parallel`` over (kv head, block of ``RB`` query rows of one sequence; decode: one
   row); the ``M = RB * group`` query vectors of a block share every tile of ``C`` keys, which is
   gathered (and, for inline RoPE, rotated) once into fp32 local buffers ``Kt`` / ``Vt``. Scores
-  ``S = Q K^T`` and ``O += P V`` are written as single expressions of independent FMA chains
-  (``dot_lanes`` / ``pv_lanes``) so LLVM keeps the partial sums in vector registers (TVM's local
-  buffers are heap workspaces LLVM cannot promote); the online softmax (running max ``m``,
+  ``S = Q K^T`` and ``O += P V`` are register-blocked products emitted statement by statement
+  (``emit_qk`` / ``emit_pv``: immutable bound values, which LLVM keeps in vector registers, where TVM's
+  local buffers are heap workspaces LLVM cannot promote); the online softmax (running max ``m``,
   running sum ``d``, base 2) uses a vectorizable polynomial ``exp2`` and tree reductions. Row
   blocks are visited from both ends alternately so T.parallel's static chunks get equal causal
   work.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, WARP, macro, rope_inv_freq, slots
@@ -39,8 +40,8 @@ from .fp8 import kv_scale_buffer, page_value, times_key_scale, times_value_scale
 from .spec import KernelSpec
 
 CPU_TILE = 32  # keys scored per tile on the CPU (a tile size, unrelated to the page size)
-CPU_VEC = 8  # vector lanes of the q.k partial sums (the tree reduction below assumes 8)
-CPU_ROWS = 16  # query vectors (rows x group heads) that share each K/V tile in prefill
+CPU_VEC = 8  # vector lanes of the q.k partial sums (emit_qk: MR x CR = 8 of them, one vector of scores)
+CPU_ROWS = 64  # query vectors (rows x group heads) sharing each K/V tile in prefill (bench/RESULTS.md: 16 -> 64)
 # 2^f on [0, 1), degree 5, fitted for relative error (< 2e-7)
 EXP2_POLY = (0.99999994, 0.69315296, 0.24015455, 0.05582358, 0.008992595, 0.0018762343)
 
@@ -60,11 +61,29 @@ SOFTMAX = slots("m", "d_sum", "s", "m_new", "alpha")  # cuda: a warp's online so
 ROWS = slots("r0", "r1", "end")  # llvm: the rows r0 .. r1 - 1 of the work item being done, its end
 RESCALE = slots("m_new", "alpha")  # llvm: new running max of a query vector, rescale factor of its O
 # llvm: the local buffers of one work item, passed to its helper macros
-CpuItem = namedtuple("CpuItem", "seq sq qm qt kok kid kpos kt vis kp Q O Kt Vt S m d_sum mx acc fr")
+CpuItem = namedtuple("CpuItem", "seq sq qm qt kok kid kpos kt vis kp Q O Kt Vt S m d_sum mx fr")
 
 
 def _add(a, b):
     return a + b
+
+
+def _lane_sums(vectors: list):
+    """One vector whose lane ``x`` is the sum of the lanes of ``vectors[x]`` (as many vectors as lanes,
+    a power of two), in registers: a butterfly of two-vector shuffles and adds. Each level adds the two
+    halves of the lanes every vector still has to sum, and packs two vectors' results into one."""
+    n = len(vectors)
+    width = n  # lanes of each input vector still to add, per packed group
+    while len(vectors) > 1:
+        half = width // 2
+        lo = [k for start in range(0, n, width) for k in range(start, start + half)]
+        hi = [k + half for k in lo]
+        vectors = [
+            tirx.Shuffle([a, b], lo + [n + k for k in lo]) + tirx.Shuffle([a, b], hi + [n + k for k in hi])
+            for a, b in zip(vectors[0::2], vectors[1::2], strict=True)
+        ]
+        width = half
+    return vectors[0]
 
 
 def build_attention(
@@ -120,9 +139,7 @@ def build_attention(
     RB = 1 if decode else max(1, CPU_ROWS // group)  # query rows per CPU work item
     M = RB * group
     MR = max(x for x in (4, 2, 1) if M % x == 0)  # query vectors per register block
-    CR = 8 // MR  # keys per register block of the q.k partial sums
-    DC = max(x for x in (16, 32, 64) if D % x == 0)  # head-dim lanes of one P V expression
-    PV_CHAINS = 64 // DC  # its partial sums over the keys: 8 vector accumulators in all
+    CR = VL // MR  # keys per register block of S = Q K^T (MR * CR == VL partial sums, emit_qk)
     ND = (D + WARP - 1) // WARP  # head-dim elements per lane on cuda
     GB = max(x for x in range(1, min(group, 8) + 1) if group % x == 0)  # query heads (warps) per block
     neg_inf = float("-inf")
@@ -295,20 +312,36 @@ def build_attention(
             terms = [op(terms[k], terms[k + 1]) if k + 1 < len(terms) else terms[k] for k in range(0, len(terms), 2)]
         return terms[0]
 
-    def chains(terms, n):
-        # sum of ``terms`` as n interleaved partial sums (independent FMA chains), then a tree
-        parts = [None] * n
-        for k, t in enumerate(terms):
-            parts[k % n] = t if parts[k % n] is None else parts[k % n] + t
-        return tree_reduce([x for x in parts if x is not None], _add)
+    def emit_qk(Q, Kt, S, mb, cb):
+        # S for block (mb, cb): MR query vectors x CR keys, each score a VL-lane partial sum over the head
+        # dim, its lanes added at the end. Emitted statement by statement from Python (T.bind: immutable
+        # values, which LLVM keeps in registers): per VL-wide chunk of the head dim, the MR q and CR key
+        # vectors are loaded once and feed MR x CR multiply-adds. Written as buffer loops instead, every
+        # partial sum would pass through memory (each local buffer is a heap workspace that may alias
+        # the others, so LLVM keeps none in registers) and the products would be load-bound.
+        accs = [tirx.Broadcast(tirx.FloatImm("float32", 0.0), VL)] * (MR * CR)
+        for d0 in range(D // VL):
+            qs = [T.bind(tirx.BufferLoad(Q, [mb * MR + i, tirx.Ramp(d0 * VL, 1, VL)])) for i in range(MR)]
+            ks = [T.bind(tirx.BufferLoad(Kt, [cb * CR + j, tirx.Ramp(d0 * VL, 1, VL)])) for j in range(CR)]
+            accs = [T.bind(a + qs[x // CR] * ks[x % CR]) for x, a in enumerate(accs)]
+        sums = _lane_sums(accs)  # lane x: the score of query vector x // CR, key x % CR
+        for i in range(MR):
+            T.buffer_store(
+                S, tirx.Shuffle([sums], list(range(i * CR, i * CR + CR))), [mb * MR + i, tirx.Ramp(cb * CR, 1, CR)]
+            )
 
-    def dot_lanes(Q, Kt, mq, c, l):
-        # lane l of the VL-lane partial sums of Q[mq] . Kt[c]: sum over d0 of Q[mq, d0 VL + l] Kt[c, ...]
-        return chains([Q[mq, d0 * VL + l] * Kt[c, d0 * VL + l] for d0 in range(D // VL)], 4)
-
-    def pv_lanes(O, S, Vt, mq, d):
-        # O[mq, d] + sum over the tile's keys c of S[mq, c] Vt[c, d]
-        return O[mq, d] + chains([S[mq, c] * Vt[c, d] for c in range(C)], PV_CHAINS)
+    def emit_pv(O, S, Vt, mb, dc):
+        # O += P V for MR query vectors x 2 VL head dims (chunk dc) over the tile's keys, as emit_qk:
+        # per key, its two V vectors and the MR probabilities (broadcast) are bound once and feed 2 MR
+        # multiply-adds into sums held in registers; O is read before and written after the tile
+        cols = [tirx.Ramp(dc * 2 * VL + j * VL, 1, VL) for j in range(2)]
+        accs = [T.bind(tirx.BufferLoad(O, [mb * MR + x // 2, cols[x % 2]])) for x in range(2 * MR)]
+        for c in range(C):
+            vs = [T.bind(tirx.BufferLoad(Vt, [c, col])) for col in cols]
+            ps = [T.bind(tirx.Broadcast(tirx.BufferLoad(S, [mb * MR + i, c]), VL)) for i in range(MR)]
+            accs = [T.bind(a + ps[x // 2] * vs[x % 2]) for x, a in enumerate(accs)]
+        for x, a in enumerate(accs):
+            T.buffer_store(O, a, [mb * MR + x // 2, cols[x % 2]])
 
     @macro
     def cpu_rows(w, r0, r1):
@@ -461,19 +494,10 @@ def build_attention(
                         )
         for t in T.serial(first_tile(w.sq, BLOCK_KEYS_LOCAL.start, C), (w.sq[BLOCK_KEYS.end] + C - 1) // C):
             cpu_keys(w, t, hk, K_src, V_src)
-            # S = Q K^T: MR x CR (query, key) pairs at a time, each a VL-lane partial sum over D
-            # written as one expression (dot_lanes), so the sums stay in registers
+            # S = Q K^T: MR x CR (query, key) pairs at a time (emit_qk)
             for mb in T.serial(M // MR):
                 for cb in T.serial(C // CR):
-                    for x in T.unroll(MR * CR):
-                        for l in T.vectorized(VL):
-                            w.acc[x, l] = dot_lanes(Q, w.Kt, mb * MR + x // CR, cb * CR + x % CR, l)
-                    for x in T.unroll(MR * CR):
-                        for l in T.vectorized(VL // 2):
-                            w.acc[x, l] = w.acc[x, l] + w.acc[x, l + VL // 2]
-                        for l in T.vectorized(VL // 4):
-                            w.acc[x, l] = w.acc[x, l] + w.acc[x, l + VL // 4]
-                        S[mb * MR + x // CR, cb * CR + x % CR] = w.acc[x, 0] + w.acc[x, 1]
+                    emit_qk(Q, w.Kt, S, mb, cb)
             # mask, then online softmax: m, d_sum, O rescaled to the new running max; S becomes P
             for mm in T.serial(M):
                 for c in T.vectorized(C):
@@ -502,13 +526,10 @@ def build_attention(
                     for c in T.vectorized(C):
                         S[mm, c] = T.if_then_else(T.isnan(S[mm, c]), S[mm, c], T.float32(0))
                     d_sum[mm] = d_sum[mm] + tree_reduce([S[mm, c] for c in range(C)], _add)  # (NaN or 0)
-            # O += P V: MR query rows x DC head-dim lanes, summed over the tile's keys in one
-            # expression (pv_lanes) per row
+            # O += P V: MR query vectors x 2 VL head dims at a time (emit_pv)
             for mb in T.serial(M // MR):
-                for dc in T.serial(D // DC):
-                    for mi in T.unroll(MR):
-                        for l in T.vectorized(DC):
-                            O[mb * MR + mi, dc * DC + l] = pv_lanes(O, S, w.Vt, mb * MR + mi, dc * DC + l)
+                for dc in T.serial(D // (2 * VL)):
+                    emit_pv(O, S, w.Vt, mb, dc)
         for r in T.serial(RB):
             if r0 + r < r1:
                 for g in T.serial(group):
@@ -548,7 +569,6 @@ def build_attention(
         m = T.alloc_buffer((M,), "float32", scope="local")
         d_sum = T.alloc_buffer((M,), "float32", scope="local")
         mx = T.alloc_buffer((len(RESCALE),), "float32", scope="local")
-        acc = T.alloc_buffer((MR * CR, VL), "float32", scope="local")
         fr = T.alloc_buffer((HALF,), "float32", scope="local")
         w = T.meta_var(
             CpuItem(
@@ -570,7 +590,6 @@ def build_attention(
                 m=m,
                 d_sum=d_sum,
                 mx=mx,
-                acc=acc,
                 fr=fr,
             )
         )
