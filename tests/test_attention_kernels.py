@@ -490,26 +490,32 @@ def test_long_prefill(target, cfg, rng):
     _run_ragged(target, spec, lib, "causal", [150, 37, 19, 2], rng=rng)
 
 
-@pytest.mark.parametrize("h_qo", [2, 4, 6, 36], ids=lambda h: f"group{h // 2}")
-def test_cpu_register_blocks_of_every_shape(h_qo, rng):
+@pytest.mark.parametrize(
+    "h_qo, d, dtype",
+    [(2, 32, "float32"), (4, 48, "bfloat16"), (6, 80, "float16"), (36, 32, "float32")],
+    ids=lambda v: str(v),
+)
+def test_cpu_register_blocks_of_every_shape(h_qo, d, dtype, rng):
     """The CPU schedule's register blocks of S = Q K^T (MR query vectors x CR keys) and O += P V take
     MR = 4, 2 or 1 by the block's query vectors: groups 1, 2 (decode: MR 1, 2), 3 (prefill: 63 vectors,
-    MR 1) and 18 (prefill: 54 vectors, MR 2), each against the fp64 reference."""
-    spec = KernelSpec(h_qo, 2, 32, 4, "float32", "llvm")
+    MR 1) and 18 (prefill: 54 vectors, MR 2), head dims with an odd number of 16-wide chunks, and work
+    items that span many short sequences (each computes only its own rows' blocks), against the fp64
+    reference."""
+    spec = KernelSpec(h_qo, 2, d, 4, dtype, "llvm")
     lib = _kernels(spec)
-    hist, new = [0, 9, 40], [70, 5, 33]
-    for mask in ("causal", "none"):
-        _run_paged_prefill("llvm", spec, lib, mask, hist, new, rng=rng)
-    _run_ragged("llvm", spec, lib, "causal", new, rng=rng)
+    for hist, new in (([0, 9, 40], [70, 5, 33]), ([3, 0, 17, 8, 30, 1, 12], [4, 2, 4, 1, 3, 4, 2])):
+        for mask in ("causal", "none"):
+            _run_paged_prefill("llvm", spec, lib, mask, hist, new, rng=rng)
+        _run_ragged("llvm", spec, lib, "causal", new, rng=rng)
     kv_lens = [1, 37, 100]
     pg = Paged(rng, spec, kv_lens)
-    q = _rand(rng, (3, h_qo, 32), "float32")
+    q = _rand(rng, (3, h_qo, d), dtype)
     q_pos = np.array(kv_lens, np.int32) - 1
-    o_ref, lse_ref = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), 32**-0.5, ROPE_SCALE, ROPE_THETA)
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, pg.pages, *pg.tables(), d**-0.5, ROPE_SCALE, ROPE_THETA)
     o, lse = to_dev(np.ones_like(q), "llvm"), to_dev(np.zeros((3, h_qo), np.float32), "llvm")
     args = [to_dev(a, "llvm") for a in (q, q_pos, pg.pages, *pg.tables())]
-    lib["paged_decode"](*args, o, lse, 32**-0.5, ROPE_SCALE, ROPE_THETA)
-    _check(o, lse, o_ref, lse_ref, "float32")
+    lib["paged_decode"](*args, o, lse, d**-0.5, ROPE_SCALE, ROPE_THETA)
+    _check(o, lse, o_ref, lse_ref, dtype)
 
 
 # Configurations of the cuda tensor-core prefill (tvmkv.tir.prefill_cuda): fp16 D 64/128 x page

@@ -648,6 +648,8 @@ def test_checkpoint_calls_refuse_a_transfer_receive():
         checkpoint.import_page_group(receiver, 1, 0, cp.groups[0])
     with pytest.raises(ValueError, match="finish_import: .* fill it with send_sequence"):
         checkpoint.finish_import(receiver, 1)
+    with pytest.raises(KeyError, match="being imported by a transfer .*commit or abort that Receive"):
+        checkpoint.prepare_import(receiver, 1, cp.metadata)
     assert _state(receiver) == before and recv.pending and not recv.sent
     checkpoint.abort_import(receiver, 1)
     assert not recv.pending and receiver.is_empty()

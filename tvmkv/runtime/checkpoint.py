@@ -212,7 +212,14 @@ class ImportReservations:
 def check_new_id(cache, seq_id, what: str) -> int:
     """``seq_id`` as an int64 that neither the cache nor a pending import uses (KeyError otherwise)."""
     seq_id = check_new_id_range(seq_id)
-    if seq_id in pending_imports(cache):
+    res = ImportReservations.of(cache, create=False)
+    rec = None if res is None else res.pending.get(seq_id)
+    if rec is not None and rec.receive:
+        raise KeyError(
+            f"sequence {seq_id} is already being imported by a transfer (prepare_receive); commit or abort that "
+            "Receive first"
+        )
+    if rec is not None:
         raise KeyError(
             f"sequence {seq_id} is already being imported; finish_import({seq_id}) or abort_import({seq_id}) first"
         )
@@ -229,9 +236,7 @@ def pending(cache, seq_id) -> tuple:
     res = ImportReservations.of(cache, create=False)
     rec = None if res is None else res.pending.get(seq_id)
     if rec is None:
-        raise KeyError(
-            f"no import of sequence {seq_id} is pending; prepare it first (prepare_import / prepare_receive)"
-        )
+        raise KeyError(f"no import of sequence {seq_id} is pending; prepare it first (prepare_import)")
     return res, rec
 
 
@@ -249,7 +254,9 @@ def pending_checkpoint(cache, seq_id, what: str) -> tuple:
 
 
 def pending_imports(cache) -> list:
-    """Ids of the sequences whose import is prepared but not finished, oldest first."""
+    """Ids of the sequences whose import is prepared but not finished, oldest first: checkpoint
+    imports (:func:`prepare_import`) and transfer receives (``prepare_receive``, finished by
+    ``Receive.commit``, which :func:`finish_import` refuses)."""
     res = ImportReservations.of(cache, create=False)
     return [] if res is None else list(res.pending)
 

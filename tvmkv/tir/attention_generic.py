@@ -140,6 +140,8 @@ def build_attention(
     M = RB * group
     MR = max(x for x in (4, 2, 1) if M % x == 0)  # query vectors per register block
     CR = VL // MR  # keys per register block of S = Q K^T (MR * CR == VL partial sums, emit_qk)
+    if cpu and D % (2 * VL):
+        raise ValueError(f"head_dim={D}: the CPU attention schedule takes multiples of {2 * VL}")
     ND = (D + WARP - 1) // WARP  # head-dim elements per lane on cuda
     GB = max(x for x in range(1, min(group, 8) + 1) if group % x == 0)  # query heads (warps) per block
     neg_inf = float("-inf")
@@ -494,12 +496,13 @@ def build_attention(
                         )
         for t in T.serial(first_tile(w.sq, BLOCK_KEYS_LOCAL.start, C), (w.sq[BLOCK_KEYS.end] + C - 1) // C):
             cpu_keys(w, t, hk, K_src, V_src)
-            # S = Q K^T: MR x CR (query, key) pairs at a time (emit_qk)
-            for mb in T.serial(M // MR):
+            # S = Q K^T: MR x CR (query, key) pairs at a time (emit_qk), over the register blocks that
+            # hold this sequence's rows (a work item spanning short sequences takes one at a time)
+            for mb in T.serial(((r1 - r0) * group + MR - 1) // MR):
                 for cb in T.serial(C // CR):
                     emit_qk(Q, w.Kt, S, mb, cb)
             # mask, then online softmax: m, d_sum, O rescaled to the new running max; S becomes P
-            for mm in T.serial(M):
+            for mm in T.serial(((r1 - r0) * group + MR - 1) // MR * MR):
                 for c in T.vectorized(C):
                     w.vis[c] = w.kok[c]
                     if causal:
@@ -527,7 +530,7 @@ def build_attention(
                         S[mm, c] = T.if_then_else(T.isnan(S[mm, c]), S[mm, c], T.float32(0))
                     d_sum[mm] = d_sum[mm] + tree_reduce([S[mm, c] for c in range(C)], _add)  # (NaN or 0)
             # O += P V: MR query vectors x 2 VL head dims at a time (emit_pv)
-            for mb in T.serial(M // MR):
+            for mb in T.serial(((r1 - r0) * group + MR - 1) // MR):
                 for dc in T.serial(D // (2 * VL)):
                     emit_pv(O, S, w.Vt, mb, dc)
         for r in T.serial(RB):
