@@ -30,7 +30,7 @@ from _common import cpu_model, write_results
 
 H_QO, H_KV, D, P = 32, 8, 128, 16
 DECODE_CASES = [(1, 1024), (8, 1024), (16, 2048)]  # (batch, context)
-PREFILL_CASES = [(1, 512, 0), (1, 256, 1024)]  # (batch, new tokens, history), causal
+PREFILL_CASES = [(1, 512, 0), (1, 256, 1024), (32, 4, 512)]  # (batch, new tokens, history), causal
 MARK_BEGIN, MARK_END = "<!-- cpu:begin -->", "<!-- cpu:end -->"
 
 
