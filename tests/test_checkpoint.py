@@ -659,6 +659,7 @@ def test_checkpoint_calls_refuse_a_transfer_receive():
     np.testing.assert_array_equal(receiver.debug_get_kv(1)[0], _k(rows))
     checkpoint.import_checkpoint(receiver, 2, cp)  # a checkpoint import is unaffected
     assert receiver.sequence_length(2) == 6
+    np.testing.assert_array_equal(receiver.debug_get_kv(2)[1], _v(rows))
     receiver.check_integrity()
 
 
