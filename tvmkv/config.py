@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 from .tir import ROPE_MODES
 from .tir.rope_scaling import RopeScaling, kernel_variant
 from .tir.spec import KernelSpec, MlaSpec, dtype_bytes
 
 INT32_MAX = 2**31 - 1
-FLOAT32_MAX = 3.4028234663852886e38  # the largest float32
-FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
-LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax runs in base 2
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest float32
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+LOG2E = math.log2(math.e)  # the kernels' softmax runs in base 2 (tir._kernel_common.LOG2E, without TVM)
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ class CacheConfig:
             object.__setattr__(self, name, float(value))  # frozen: normalized once, here
         # the largest RoPE angle, position * rope_scale / rope_theta ** (2i / head_dim) at an int32
         # position, must stay finite in float32 (an infinite angle stores NaN keys)
-        fastest = float(self.rope_scale) * max(1.0, float(self.rope_theta) ** (2 / self.head_dim - 1))
+        fastest = self.rope_scale * max(1.0, self.rope_theta ** (2 / self.head_dim - 1))
         if fastest * INT32_MAX > FLOAT32_MAX:
             raise ValueError(
                 f"rope_scale={self.rope_scale!r} with rope_theta={self.rope_theta!r}: the RoPE angle position * "

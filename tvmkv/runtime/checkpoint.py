@@ -212,8 +212,7 @@ class ImportReservations:
 def check_new_id(cache, seq_id, what: str) -> int:
     """``seq_id`` as an int64 that neither the cache nor a pending import uses (KeyError otherwise)."""
     seq_id = check_new_id_range(seq_id)
-    res = ImportReservations.of(cache, create=False)
-    rec = None if res is None else res.pending.get(seq_id)
+    _, rec = _pending_record(cache, seq_id)
     if rec is not None and rec.receive:
         raise KeyError(
             f"sequence {seq_id} is already being imported by a transfer (prepare_receive); commit or abort that "
@@ -230,11 +229,16 @@ def check_new_id(cache, seq_id, what: str) -> int:
     return seq_id
 
 
+def _pending_record(cache, seq_id: int) -> tuple:
+    # (reservations or None, the pending import of seq_id or None)
+    res = ImportReservations.of(cache, create=False)
+    return res, None if res is None else res.pending.get(seq_id)
+
+
 def pending(cache, seq_id) -> tuple:
     """``(reservations, record)`` of the pending import of ``seq_id`` (KeyError when none is pending)."""
     seq_id = check_id(seq_id)
-    res = ImportReservations.of(cache, create=False)
-    rec = None if res is None else res.pending.get(seq_id)
+    res, rec = _pending_record(cache, seq_id)
     if rec is None:
         raise KeyError(f"no import of sequence {seq_id} is pending; prepare it first (prepare_import)")
     return res, rec

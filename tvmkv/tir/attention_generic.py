@@ -494,15 +494,17 @@ def build_attention(
                         Q[r * group + g, d] = T.Cast("float32", q[T.min(r0 + r, r1 - 1), hk * group + g, d]) * q_factor(
                             sm_scale, hk
                         )
+        # the register blocks holding this sequence's rows (a work item spanning short sequences takes
+        # them one sequence at a time): only those are computed
+        blocks = T.meta_var(((r1 - r0) * group + MR - 1) // MR)
         for t in T.serial(first_tile(w.sq, BLOCK_KEYS_LOCAL.start, C), (w.sq[BLOCK_KEYS.end] + C - 1) // C):
             cpu_keys(w, t, hk, K_src, V_src)
-            # S = Q K^T: MR x CR (query, key) pairs at a time (emit_qk), over the register blocks that
-            # hold this sequence's rows (a work item spanning short sequences takes one at a time)
-            for mb in T.serial(((r1 - r0) * group + MR - 1) // MR):
+            # S = Q K^T: MR x CR (query, key) pairs at a time (emit_qk)
+            for mb in T.serial(blocks):
                 for cb in T.serial(C // CR):
                     emit_qk(Q, w.Kt, S, mb, cb)
             # mask, then online softmax: m, d_sum, O rescaled to the new running max; S becomes P
-            for mm in T.serial(((r1 - r0) * group + MR - 1) // MR * MR):
+            for mm in T.serial(blocks * MR):
                 for c in T.vectorized(C):
                     w.vis[c] = w.kok[c]
                     if causal:
@@ -530,7 +532,7 @@ def build_attention(
                         S[mm, c] = T.if_then_else(T.isnan(S[mm, c]), S[mm, c], T.float32(0))
                     d_sum[mm] = d_sum[mm] + tree_reduce([S[mm, c] for c in range(C)], _add)  # (NaN or 0)
             # O += P V: MR query vectors x 2 VL head dims at a time (emit_pv)
-            for mb in T.serial(((r1 - r0) * group + MR - 1) // MR):
+            for mb in T.serial(blocks):
                 for dc in T.serial(D // (2 * VL)):
                     emit_pv(O, S, w.Vt, mb, dc)
         for r in T.serial(RB):
