@@ -341,3 +341,32 @@ def test_rows_replaced_in_a_kept_decode_batch(size, device_planning):
                 batch[r], next_id = next_id, next_id + 1
     assert patched > (5 if device_planning else 20), patched
     assert pair.on_device > 10 if device_planning else not pair.on_device, pair.on_device
+
+
+@pytest.mark.parametrize("device_planning", [True, False])
+def test_kept_row_sharing_a_copied_page_is_copied_too(device_planning):
+    """A kept row's partial last page shared both with a row new to the batch (which gets its copy)
+    and with a sequence outside the batch that owns a slot past the kept row's length (hostile round
+    11): the kept row must not write its token into that page in place. Before the fix the patched
+    plan (plan.RepeatDecode) copied the page for the new row only, and the kept row's token
+    overwrote the outsider's K/V at that slot."""
+    pair = _Pair(num_pages=200, seed=3, device_planning=device_planning)
+    c, m = pair.c, pair.m
+    for sid, n in enumerate([12, 6, 7, 9]):
+        pair.add(sid, n)
+    c.pop_n(0, 3)  # 9 tokens: slots 9..11 of its last page keep the rolled-back tokens
+    m.pop(0, 3)
+    batch = [0, 1, 2, 3]
+    pair.decode(batch, 2)  # 11 tokens; the second step's plan is kept
+    pages = list(c.sequence_info(0).pages)
+    c.add_sequence_with_pages(30, pages, 12)  # owns slot 11 of 0's last page (outside the batch)
+    k30, v30 = (np.array(x) for x in c.debug_get_kv(30))
+    c.add_sequence_with_pages(31, pages, 11)  # the same prefix as 0, into row 3
+    m.fork(0, 31, 11)
+    pair.ids.add(31)
+    pair.forward([0, 1, 2, 31], [1] * 4)  # outputs against the model
+    k_after, v_after = c.debug_get_kv(30)
+    np.testing.assert_array_equal(np.asarray(k_after), k30)
+    np.testing.assert_array_equal(np.asarray(v_after), v30)
+    assert len(set(c.sequence_info(s).pages[-1] for s in (0, 30, 31))) == 3  # three last pages now
+    c.check_integrity()

@@ -825,7 +825,9 @@ class RepeatDecode:
         hits = shared.intersection(map(_LAST_PAGE, seqs)) if shared else shared
         if hits:  # some last page is shared: the new rows' partial ones get a copy
             cow = [i for i in diff if seqs[i].last_page in hits and seqs[i].kv_len % P]
-            if not hits.issubset(seqs[i].last_page for i in cow):  # the rare case: look at every row
+            # a kept row may share one of those pages (with a new row, or with a sequence outside the
+            # batch): when more rows end in a shared page than get a copy, look at every kept row
+            if sum(map(hits.__contains__, map(_LAST_PAGE, seqs))) > len(cow):
                 for i, seq in enumerate(seqs):
                     if seq.last_page in hits and seq.kv_len % P and i not in diff:
                         return False  # a kept row's partial last page is shared now: the general path
