@@ -1,4 +1,4 @@
-"""Per-step host overhead of a decode step: tvmkv's Python manager vs TVM's C++ paged KV cache.
+"""Per-step host overhead of decode and prefill steps: tvmkv's Python manager vs TVM's C++ paged KV cache.
 
 One step = ``begin_forward`` (plan + page-table upload) + one attention dispatch (layer 0) +
 ``end_forward``, for decode batches 1, 32 and 256 over 2k-token histories, at two pool capacities
@@ -12,7 +12,11 @@ the change between two steps (not timed: only begin / attention / end are) is on
 - ``replace``: one sequence is removed and a new, empty one takes its row (a departure and an arrival);
 - ``fork``: one row's sequence is forked at its last page boundary and rolled back one token
   (``pop_n``), the child takes the row (the parent is removed a step later), so the child's next
-  token is written into a page it shares: copy-on-write in ``begin_forward``.
+  token is written into a page it shares: copy-on-write in ``begin_forward``;
+- ``chunk``: the same batch, but one row (a different one each step) appends a 16-token chunk while
+  the others decode: a prefill chunk mixed with decodes (chunked prefill), a prefill step to the
+  cache;
+- ``prefill``: every row appends 16 tokens (a prefill step of the whole batch).
 
 - tvmkv: ``PagedAttentionKVCache`` with its kernel library replaced by stubs of ``tvmkv.tir.kernel_set``.
 - TVM: ``vm.builtin.paged_attention_kv_cache_create`` with stubs of the PrimFuncs
@@ -49,7 +53,10 @@ CHURN = {
     "flip": "order flipped every step",
     "replace": "one replaced every step",
     "fork": "a fork every step",
+    "chunk": "a 16-token chunk in one row",
+    "prefill": "16 tokens in every row",
 }
+CHUNK = 16  # new tokens of a row that takes a chunk (churn kinds "chunk" and "prefill")
 HISTORY = 2048
 MARK_BEGIN, MARK_END = "<!-- host:begin -->", "<!-- host:end -->"
 
@@ -243,8 +250,19 @@ class Churn:
         self.ids = list(range(batch))
         self.lengths = dict.fromkeys(self.ids, HISTORY)
         self.next_id, self.row, self.retired = batch, 0, []
+        self.lens = [1] * batch  # new tokens per row of the current step
 
-    def batch(self, step: int) -> list:
+    def batch(self, step: int) -> tuple:
+        """(seq_ids, append_lengths) of step ``step``."""
+        ids = self.ids
+        self.lens = [1] * len(ids)
+        if self.kind == "chunk":
+            self.lens[step % len(ids)] = CHUNK
+        elif self.kind == "prefill":
+            self.lens = [CHUNK] * len(ids)
+        return self.order(step), self.lens
+
+    def order(self, step: int) -> list:
         ids, ops = self.ids, self.ops
         if self.kind == "flip":
             return ids[::-1] if step % 2 else ids
@@ -267,8 +285,8 @@ class Churn:
         return ids
 
     def stepped(self) -> None:
-        for s in self.ids:
-            self.lengths[s] += 1
+        for s, n in zip(self.ids, self.lens):
+            self.lengths[s] += n
 
 
 def run_pair(libs, target_kind, batch, capacity_factor, steps, *, churn="", block=10, layers=1) -> list:
@@ -281,20 +299,28 @@ def run_pair(libs, target_kind, batch, capacity_factor, steps, *, churn="", bloc
     import tvm
 
     device = tvm.cpu(0) if target_kind == "llvm" else tvm.cuda(0)
-    need_tokens = batch * (HISTORY + steps + block + 2 * P)
+    grow = {"chunk": 1 + CHUNK / batch, "prefill": CHUNK}.get(churn, 1)  # tokens a row gains per step, on average
+    need_tokens = batch * (HISTORY + int((steps + 2 * block) * grow) + 2 * CHUNK + 2 * P)
     max_total = need_tokens * capacity_factor
     num_pages = -(-max_total // P) + batch
-    chunk = HISTORY
+    chunk = max(HISTORY, batch * CHUNK)
     impls = {
         "tvm": make_tvm(libs, device, batch, max_total, chunk, layers),
         "tvmkv": make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, layers=layers),
     }
-    if churn:  # the same cache planning changed batches on the host (device_planning=False)
+    if churn in ("flip", "replace", "fork"):  # the same cache planning changed decode batches on the host
         impls["tvmkv_host"] = make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, False, layers)
     ids = list(range(batch))
-    qkv = tvm.runtime.tensor(np.zeros((batch, H_QO + 2 * H_KV, D), DTYPE), device)
-    out = tvm.runtime.empty((batch, H_QO, D), DTYPE, device)
-    ones = [1] * batch
+    tensors: dict = {}  # tokens of a step -> (qkv, out)
+
+    def qkv_out(total: int) -> tuple:
+        if total not in tensors:
+            tensors[total] = (
+                tvm.runtime.tensor(np.zeros((total, H_QO + 2 * H_KV, D), DTYPE), device),
+                tvm.runtime.empty((total, H_QO, D), DTYPE, device),
+            )
+        return tensors[total]
+
     times = {impl: ([], [], [], []) for impl in impls}
     batches = {}
     for impl, (_, ops) in impls.items():
@@ -310,9 +336,10 @@ def run_pair(libs, target_kind, batch, capacity_factor, steps, *, churn="", bloc
             tb, ta, te, tt = times[impl]
             churner = batches[impl]
             for _ in range(block):
-                order = churner.batch(done[impl])
+                order, lens = churner.batch(done[impl])
+                qkv, out = qkv_out(sum(lens))
                 t0 = clock()
-                ops.begin(order, ones)
+                ops.begin(order, lens)
                 t1 = clock()
                 ops.attn(qkv, out)
                 t2 = clock()
@@ -360,13 +387,16 @@ def render(rows, meta) -> str:
         "take its general planning path: *order flipped* reverses the batch order each step, *one replaced* "
         "removes one sequence and adds a new, empty one in its row, *a fork* replaces one row's sequence "
         "by a fork of it at its last page boundary rolled back one token (`pop_n` 1; the parent is removed "
-        "a step later), so that step writes into a shared page (copy-on-write); the changes themselves "
+        "a step later), so that step writes into a shared page (copy-on-write); *a 16-token chunk in one "
+        "row* keeps the batch but one row (a different one each step) appends 16 tokens while the others "
+        "decode (chunked prefill beside decodes), *16 tokens in every row* is a prefill step of the whole "
+        "batch: both are prefill steps to the caches. The changes themselves "
         "are not timed. "
         "`bench/host.py --write` regenerates this section.",
         "",
         "Acceptance: same batch every step, tvmkv step <= 0.5x TVM at batch 256, <= 1x at 32, <= 1.5x "
-        "at 1; changed batch (issue 16), tvmkv begin_forward <= 50 µs at batch <= 32, <= 0.5x TVM's "
-        "begin_forward at batch 256.",
+        "at 1; changed batch and prefill steps (issue 16's general path), tvmkv begin_forward <= 50 µs at "
+        "batch <= 32, <= 0.5x TVM's begin_forward at batch 256.",
         "",
         "| batch | pool | pages | tvmkv step µs (begin / attn / end) | tvmkv begin µs, planned on the host "
         "| TVM C++ step µs (begin / attn / end) | tvmkv / TVM | target | ok |",
@@ -428,7 +458,11 @@ def render(rows, meta) -> str:
         "sequence only for those that get a page (`struct` writes that run). Batch 1 "
         "with its order flipped is the same batch (the fast path). The fork rows' begin_forward includes "
         "the copy of the shared page (one `copy_page_layers` launch for every layer); TVM's cache copies in "
-        "`fork_sequence`, which is not timed. Prefill, mixed and token-tree steps take the general path "
+        "`fork_sequence`, which is not timed. A prefill or mixed step of up to 64 sequences without token trees "
+        "or windows (the two chunk rows) is planned by `plan.Planner._prefill_few`: Python ints per sequence "
+        "(pages to reserve, handed out by one allocation; indptrs; last-page fill), NumPy only per new token "
+        "(positions, slots), and the bound forward of its shape, slot and kernel kept and rebound only to "
+        "the new batch. Token-tree steps, windows and larger batches take the general path "
         "(`plan.plan_step`), not timed here.",
     ]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from tvmkv import PagedAttentionKVCache
 from tvmkv.errors import OutOfPagesError
 
 P = 4
-FEW = 64  # plan.Planner plans decode batches up to this size over Python ints, larger ones with NumPy
+FEW = 64  # plan.Planner plans decode and prefill batches up to this size over Python ints, larger ones with NumPy
 
 
 def _make_cache(
@@ -138,12 +138,14 @@ class Driver:
         self.max_batch = sequences + 8 if sequences else 8
         self.least = FEW + 1 if sequences else 1
         self.cache = _make_cache(num_pages, self.max_batch, device_planning, target)
+        self.roomy = num_pages > 200
         self.trees: dict = {}  # seq id -> uncommitted tree parents (this test's record)
         for s in range(sequences):
             self.cache.add_sequence(s)
         self.next_id = sequences
         self.last_decode: tuple | None = None
         self.forwards = self.repeats = self.out_of_pages = self.cows = self.large = self.on_device = 0
+        self.wide_prefills = 0  # prefill / mixed steps above FEW sequences (plan_step's path, not _prefill_few)
 
     def ids(self) -> list:
         return self.cache.sequence_ids()
@@ -213,12 +215,18 @@ class Driver:
         if not pool:
             return
         most = min(len(pool), self.max_batch)
-        size = int(rng.integers(min(self.least, most), most + 1)) if op == "decode" else int(rng.integers(1, 9))
+        # a mixed step of many sequences (where pages are many: they grow every sequence)
+        wide = op == "prefill" and self.least and self.roomy and rng.random() < 0.4
+        size = int(rng.integers(min(self.least, most), most + 1)) if op == "decode" or wide else int(rng.integers(1, 9))
         batch = [int(s) for s in rng.permutation(pool)[: min(size, most)]]
         if op == "decode":
             self.forward(batch, [1] * len(batch), None)
             return
-        lengths = [int(rng.integers(1, 9)) for _ in batch]
+        if wide:  # decodes and a few 2-token rows (the chunk holds 128 tokens)
+            lengths = [1 + int(x < 0.1) for x in rng.random(len(batch))]
+            lengths[0] = 2
+        else:
+            lengths = [int(rng.integers(1, 9)) for _ in batch]
         parents = None
         if op == "tree":
             parents = []
@@ -264,6 +272,7 @@ class Driver:
                 self.trees[s] = self.trees.get(s, []) + ps
         self.forwards += 1
         self.large += len(batch) > FEW and sum(lengths) == len(batch) and not info.repeated
+        self.wide_prefills += len(batch) > FEW and sum(lengths) > len(batch) and parents is None
         self.repeats += info.repeated
         self.on_device += info.planned_on_device
         decode = parents is None and sum(lengths) == len(lengths)
@@ -290,23 +299,31 @@ def test_random_operations_plan_the_layout(seed, num_pages, sequences, device_pl
         assert d.cows > 0, "copy-on-write was exercised"
     else:
         assert d.out_of_pages > 0
-    if sequences:  # decode steps above FEW planned anew (few of them once pages run short)
+    if sequences:  # decode steps above FEW planned anew (few of them once pages run short), and mixed ones
         assert d.large > (20 if num_pages > 200 else 0), d.large
+        assert (d.wide_prefills > 3) if num_pages > 200 else not d.wide_prefills, d.wide_prefills
     assert (d.on_device > (5 if num_pages > 200 else 0)) if device_planning else not d.on_device, d.on_device
 
 
 def test_page_pool_shared_set_follows_the_references():
     """``PagePool.shared`` (the pages the decode planner tests last pages against for copy-on-write)
-    equals the pages this test holds more than one reference on, after every alloc / hold / release."""
+    equals the pages this test holds more than one reference on, after every alloc / hold / release;
+    alloc hands pages out in the free list's order (lowest ids first, then the most recently freed),
+    for any count, 0 included."""
     from tvmkv.runtime.pages import PagePool
 
     rng = np.random.default_rng(0)
     pool, refs = PagePool(12), {}
+    free = list(range(12))  # this test's free list, next out first
     for _ in range(400):
         held = [p for p, n in refs.items() if n]
         op = rng.integers(3)
-        if op == 0 and pool.num_free:
-            for p in pool.alloc(int(rng.integers(1, pool.num_free + 1))):
+        if op == 0:
+            n = int(rng.integers(0, pool.num_free + 1))
+            got = pool.alloc(n)
+            assert got == free[:n]
+            del free[:n]
+            for p in got:
                 refs[p] = 1
         elif op == 1 and held:
             pages = [int(p) for p in rng.choice(held, int(rng.integers(1, 4)))]  # repeats add up
@@ -317,6 +334,8 @@ def test_page_pool_shared_set_follows_the_references():
             p = int(rng.choice(held))
             pool.release([p])
             refs[p] -= 1
+            if not refs[p]:
+                free.insert(0, p)
         assert pool.shared == {p for p, n in refs.items() if n > 1}
         assert pool.num_shared == len(pool.shared)
         assert pool.num_free == sum(1 for p in range(12) if not refs.get(p))

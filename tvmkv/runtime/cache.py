@@ -639,13 +639,11 @@ class PagedAttentionKVCache:
         if not plan.on_device:
             ib.upload(plan.slot, plan.used)
         self._step += 1
-        if plan.kernel != "paged_decode":
-            dev = planner.device_views(plan)
-            self._fwd = L.bind(plan.seq_ids, plan.lengths, plan.total, plan.kernel, plan.slides, dev, plan.slot)
-            return
-        # a decode forward binds only device views of its shape and slot, and its split: the one bound
-        # last over them is kept (Planner.keep_forward) and reused with this step's batch
-        split = NO_SPLIT if L.granule is None else L.decode_split(len(seqs), plan.max_keys)
+        # a forward binds only device views of its shape and slot, scratch views of its token count and
+        # a decode's split: the one bound last over them is kept (Planner.keep_forward) and reused with
+        # this step's batch
+        decode = plan.kernel == "paged_decode"
+        split = NO_SPLIT if not decode or L.granule is None else L.decode_split(len(seqs), plan.max_keys)
         fwd = planner.kept_forward(plan)
         if fwd is None or fwd.decode_split != split:
             dev = planner.device_views(plan)
@@ -654,7 +652,7 @@ class PagedAttentionKVCache:
         else:
             fwd.seq_ids, fwd.lengths, fwd.slides = plan.seq_ids, plan.lengths, plan.slides
         self._fwd = fwd
-        if not plan.slides and not plan.on_device:
+        if decode and not plan.slides and not plan.on_device:
             # where decode steps are planned on the device (device_plan), the kept plan patches only rows
             # replaced in place; a batch whose rows moved is planned there
             moves = planner.device is None

@@ -85,8 +85,11 @@ class PagePool:
             page = self._free.pop()
             self._ref[page] = 1
             return [page]
+        if count <= 0:
+            return []
         free, ref = self._free, self._ref
-        pages = [free.pop() for _ in range(count)]
+        pages = free[: -count - 1 : -1]  # the last ``count`` entries, last first: the order pop() takes them
+        del free[len(free) - count :]
         if count <= 8:  # a decode step's few pages: item writes beat converting the list for NumPy
             for page in pages:
                 ref[page] = 1

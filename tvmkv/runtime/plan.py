@@ -19,8 +19,11 @@ no token tree: what a server runs between arrivals, departures, forks and preemp
 its own: up to :data:`_FEW` sequences over Python ints written as one int32 run through a memoryview
 (a NumPy call costs more than the Python for a few sequences), above that about a dozen whole-batch
 NumPy calls; Python per sequence only for those that get a page. Copy-on-write is looked for only
-when some sequence's last page is shared (``PagePool.shared``, one set test). Other forwards
-(prefill, mixed, token trees) take the general path, :func:`plan_step`. Every path writes the same
+when some sequence's last page is shared (``PagePool.shared``, one set test). A prefill or mixed
+forward of up to :data:`_FEW` sequences without token trees or windows (a chunked prefill beside
+decodes) is planned over Python ints per sequence and NumPy per new token
+(:meth:`Planner._prefill_few`); other forwards take the general path, :func:`plan_step`, which is
+vectorized over sequences too. Every path writes the same
 arrays for the same input (tests/test_planner.py checks them against docs/layout.md).
 
 A decode step of the same batch as the decode step before it (same ids in the same order, one token
@@ -40,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, repeat
-from operator import add, attrgetter, floordiv, mod, ne, not_
+from operator import add, attrgetter, floordiv, mod, ne, neg, not_, sub
 from struct import Struct
 from typing import Any
 
@@ -76,7 +79,7 @@ _STAMP = attrgetter("stamp")
 _WINDOW = attrgetter("window")
 _INT = {int}
 _NONE = np.zeros(0, np.int64)
-_FEW = 64  # decode batches up to this size are planned over Python ints (Planner._decode_few)
+_FEW = 64  # decode and prefill batches up to this size are planned over Python ints (_decode_few, _prefill_few)
 _MAX_SHAPES = 256  # shapes the planner keeps before it starts over (a prefill's totals vary)
 
 
@@ -128,7 +131,7 @@ class StepShape:
     rows_at: int = 0  # decode: offset of q_pos in ``host`` (slots, last_page_len, page_indptr follow)
     pad: list = field(default_factory=list)  # decode: zeros between two of those arrays
     dev: dict | None = None  # device slot -> device views (launch.device_views), for ``generation``
-    fwds: dict | None = None  # device slot -> the launch.Forward last bound over them (decode shapes)
+    fwds: dict | None = None  # (device slot, kernel) -> the launch.Forward last bound over them
     generation: int = -1
 
     def bind(self, host: np.ndarray) -> None:
@@ -200,6 +203,7 @@ class Planner:
         self.device: DevicePlanner | None = None
         self._device_ids: list | None = None
         self._packers: dict = {}  # ints per decode run -> struct.Struct writing them (_decode_few)
+        self._arange = np.arange(256, dtype=np.int32)  # (_iota)
 
     def shape(self, batch: int, total: int, tree_rows: int) -> StepShape:
         """The :class:`StepShape` of a forward (views not bound: :meth:`bound`)."""
@@ -234,19 +238,20 @@ class Planner:
         return dev
 
     def kept_forward(self, plan: StepPlan):
-        """The forward (``launch.Forward``) last kept by :meth:`keep_forward` for ``plan``'s shape and
-        slot while the buffers' view cache stands, else None. Its arguments are the device views of
-        that shape and slot, which is all a decode forward binds besides the batch (``seq_ids``,
-        ``slides``: the caller sets them) and the decode split (the caller compares it)."""
+        """The forward (``launch.Forward``) last kept by :meth:`keep_forward` for ``plan``'s shape, slot
+        and kernel while the buffers' view cache stands, else None. Its arguments are the device views
+        of that shape and slot and the scratch views of its token count, which is all a forward binds
+        besides the batch (``seq_ids``, ``lengths``, ``slides``: the caller sets them) and a decode's
+        split (the caller compares it)."""
         shape = plan.shape
         if shape is None or shape.fwds is None or shape.generation != self.ib.generation:
             return None
-        return shape.fwds.get(plan.slot)
+        return shape.fwds.get((plan.slot, plan.kernel))
 
     def keep_forward(self, plan: StepPlan, forward) -> None:
         """Keep ``forward``, bound over :meth:`device_views` of ``plan`` (called first)."""
         assert plan.shape is not None and plan.shape.fwds is not None
-        plan.shape.fwds[plan.slot] = forward
+        plan.shape.fwds[(plan.slot, plan.kernel)] = forward
 
     def plan(self, seq_ids: list, seqs: list, lengths: list, parents, pool: PagePool, table: SequenceTable, copy_page):
         """Reserve the pages of a validated forward, write its index arrays and grow its sequences.
@@ -268,7 +273,9 @@ class Planner:
             if len(seqs) <= self.few:
                 return self._decode_few(seq_ids, seqs, pool, table, copy_page)
             return self._decode(seq_ids, seqs, pool, table, copy_page)
-        self._clean = None  # plan_step writes the whole packed region
+        self._clean = None  # both prefill paths write the whole packed region
+        if parents is None and len(seqs) <= self.few and not (table.num_windowed and any(map(_WINDOW, seqs))):
+            return self._prefill_few(seq_ids, seqs, lengths, pool, table, copy_page)
         P, B = self.page_size, len(seqs)
         history = np.fromiter(map(_KV_LEN, seqs), np.int64, B)
         lens = np.array(lengths, np.int64)
@@ -283,7 +290,7 @@ class Planner:
         needed = int(grow.sum()) + len(cow)
         if not pool.ensure_free(needed):
             raise OutOfPagesError(needed, pool.num_free)
-        reserve(seqs, cow, grow, pool, table, copy_page, P)
+        reserve(seqs, cow.tolist(), grow.tolist(), pool, table, copy_page, P)
         plan = plan_step(self, seq_ids, seqs, lens, history, want, windowed, parents)
         for seq, n in zip(seqs, end.tolist()):
             seq.kv_len, seq.stamp = n, 0
@@ -321,6 +328,69 @@ class Planner:
         packer.pack_into(shape.host.data, 4 * at, *run)  # type: ignore[union-attr]
         ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
         return self._decode_plan(seq_ids, seqs, table, v, shape, slot, nnz, -1, npages, hist)
+
+    def _prefill_few(self, seq_ids: list, seqs: list, lengths: list, pool: PagePool, table: SequenceTable, copy_page):
+        """:func:`plan_step`'s forward (prefill or mixed, no token tree, no window) for up to :data:`_FEW`
+        sequences: the per-sequence work over Python ints (pages to reserve, copy-on-write, indptrs,
+        last-page fill), NumPy only over the new tokens (their positions and slots)."""
+        P, B, ib = self.page_size, len(seqs), self.ib
+        hist = list(map(_KV_LEN, seqs))
+        end = list(map(add, hist, lengths))
+        want = [-(-e // P) for e in end]  # pages after the step
+        grow = list(map(sub, want, map(neg, map(floordiv, map(neg, hist), repeat(P)))))
+        shared = pool.shared  # a partial last page that is shared gets a copy first
+        cow = [i for i, (h, seq) in enumerate(zip(hist, seqs)) if h % P and seq.last_page in shared] if shared else []
+        needed = sum(grow) + len(cow)
+        if needed:
+            if not pool.ensure_free(needed):
+                raise OutOfPagesError(needed, pool.num_free)
+            reserve(seqs, cow, grow, pool, table, copy_page, P)
+        total = sum(lengths)
+        shape = self.shape(B, total, 1)
+        layout = shape.layout
+        starts = list(accumulate(want, initial=0))  # page_indptr
+        nnz = starts[B]
+        slot = ib.next_slot(layout.used(nnz))
+        v = self.bound(shape).views
+        assert v is not None and shape.zero is not None
+        shape.zero[:] = 0  # kv_window and the token-tree arrays
+        q_starts = list(accumulate(lengths, initial=0))
+        v["q_indptr"][:] = q_starts
+        v["page_indptr"][:] = starts
+        v["last_page_len"][:] = [e - (w - 1) * P for e, w in zip(end, want)]  # (every sequence holds a token)
+        pi = layout.page_indices_at
+        ib.write_concatenated(pi, nnz, map(_PAGES, seqs))
+        # token t of sequence b sits at position hist[b] + t - q_starts[b], in page row starts[b] + pos // P
+        q_pos, slots = v["q_pos"], v["slots"]
+        iota = self._iota(total)
+        if B == 1:
+            pos = np.add(iota, hist[0], out=q_pos)
+            rows = pos // P
+        else:
+            pos = np.add(iota, np.repeat(np.array(list(map(sub, hist, q_starts)), np.int32), lengths), out=q_pos)
+            rows = pos // P + np.repeat(np.array(starts[:B], np.int32), lengths)
+        np.add(ib.host[pi : pi + nnz][rows] * P, pos % P, out=slots)
+        for seq, n in zip(seqs, end):
+            seq.kv_len, seq.stamp = n, 0
+        return StepPlan(
+            seq_ids,
+            lengths,
+            total,
+            "paged_prefill_causal" if any(hist) else "ragged_prefill_causal",
+            [],
+            layout,
+            slot,
+            nnz,
+            max(end),
+            shape,
+            want,
+        )
+
+    def _iota(self, n: int) -> np.ndarray:
+        """``0 .. n - 1`` (int32; a view of one array kept and grown)."""
+        if len(self._arange) < n:
+            self._arange = np.arange(max(n, 2 * len(self._arange)), dtype=np.int32)
+        return self._arange[:n]
 
     def _on_device(self, seq_ids: list) -> bool:
         """Whether a decode step of ``seq_ids`` (its batch changed since the last decode step, or that
@@ -482,20 +552,30 @@ def _decode_pages(seqs: list, opens: list, cow: list, pool: PagePool, table: Seq
     return rows, new
 
 
-def reserve(seqs: list, cow: np.ndarray, grow: np.ndarray, pool: PagePool, table: SequenceTable, copy_page, P: int):
+def reserve(seqs: list, cow: list, grow: list, pool: PagePool, table: SequenceTable, copy_page, P: int):
     """Give the sequences at rows ``cow`` a copy of their shared partial last page (``copy_page(src,
     dst, num_slots)``) and each ``seqs[i]`` ``grow[i]`` new pages, in batch order (a copy before the
     new pages of its sequence). The caller checked that enough pages are free."""
-    cow_set = set(cow.tolist())
-    changed = sorted(cow_set.union(np.flatnonzero(grow).tolist()))
-    for i, g in zip(changed, grow[changed].tolist()):
-        seq = seqs[i]
-        if i in cow_set:  # copy-on-write of a shared partial page
-            page = pool.alloc(1)[0]
-            copy_page(seq.last_page, page, seq.kv_len % P)
-            table.copy_on_write(seq, page)
+    new = pool.alloc(len(cow) + sum(grow))  # handed out in the order one allocation per row would take
+    if not cow:
+        rows = list(compress(range(len(grow)), grow))
+        if len(rows) == len(new):  # a page each (a prefill chunk of at most a page per sequence)
+            table.grow_each([seqs[i] for i in rows], new)
+            return
+    cow_set = set(cow)
+    changed = sorted(cow_set.union(compress(range(len(grow)), grow)))
+    k, grown, their = 0, [], []
+    for i in changed:
+        seq, g = seqs[i], grow[i]
+        if i in cow_set:  # copy-on-write of a shared partial page (a copy frees no page)
+            copy_page(seq.last_page, new[k], seq.kv_len % P)
+            table.copy_on_write(seq, new[k])
+            k += 1
         if g:
-            table.grow(seq, pool.alloc(g))
+            grown.append(seq)
+            their.append(new[k : k + g])
+            k += g
+    table.grow_many(grown, their)
 
 
 def choose_kernel(tree: bool, total: int, batch: int, has_history: bool) -> str:

@@ -382,6 +382,15 @@ class SequenceTable:
         seq.append_pages(pages)
         self.version += 1
 
+    def grow_many(self, seqs: list, page_lists: list) -> None:
+        """Append ``page_lists[i]`` (freshly allocated) to ``seqs[i]``'s page list, for every ``i``."""
+        for seq, pages in zip(seqs, page_lists):
+            if len(pages) == 1:
+                seq.append_page(pages[0])
+            else:
+                seq.append_pages(pages)
+        self.version += 1
+
     def grow_each(self, seqs: list, pages: list) -> None:
         """Append ``pages[i]`` (freshly allocated) to ``seqs[i]``'s page list, for every ``i``."""
         for seq, page in zip(seqs, pages):
