@@ -412,6 +412,105 @@ def test_paged_decode_append(target, cfg, rng):
         np.testing.assert_allclose(got, want_pages.astype(np.float64), atol=tol, rtol=tol)
 
 
+TC16_SHAPES = [  # H_qo, H_kv, D, P, dtype, rope mode: the tensor-core decode of 16-bit pages
+    (32, 8, 128, 16, "float16", "none"),
+    (32, 8, 128, 16, "float16", "normal"),
+    (8, 2, 128, 1, "float16", "none"),
+    (2, 2, 128, 64, "float16", "none"),
+    (16, 2, 128, 1, "float16", "none"),
+    (16, 1, 128, 16, "float16", "none"),
+    (8, 2, 128, 16, "bfloat16", "none"),
+    (8, 2, 128, 16, "bfloat16", "normal"),
+]
+
+
+@pytest.mark.parametrize("shape", TC16_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_tensor_core_decode_of_16bit_pages(target, shape, rng):
+    """The decode of fp16 / bf16 pages at head_dim 128 on the tensor cores (cuda): every layer kernel
+    (``paged_decode``, ``paged_decode_split`` + ``merge_splits``, ``paged_decode_split_merge``, and the
+    one-launch ``paged_decode_append[_split]`` in the default and small-batch layouts) against the fp64
+    decode; the one-launch kernels store the new token's K / V bit for bit where it held NaN (the blocks
+    whose keys reach it store it first, then read it back). Page sizes 1 / 16 / 64, query-head groups
+    1 / 4 / 8 / 16 (two blocks per kv head), contexts up to 1000 keys, chunks of 64 / 200 / 256 keys."""
+    if target != "cuda":
+        pytest.skip("the tensor-core decode is a cuda schedule")
+    h_qo, h_kv, d, p, dtype, mode = shape
+    spec = KernelSpec(h_qo, h_kv, d, p, dtype, target)
+    from tvmkv.tir.decode_layout import decode_layout
+
+    assert decode_layout(spec)["TC"]
+    lib = load_kernels(spec, rope_mode=mode)
+    kv_lens = [1, p, 2 * p + 3, 37, 300, 1000]
+    B = len(kv_lens)
+    pg = Paged(rng, spec, kv_lens)
+    qkv = _rand(rng, (B, h_qo + 2 * h_kv, d), dtype)
+    q_pos = np.array(kv_lens, np.int32) - 1
+    last = pg.page_indices[pg.page_indptr[1:] - 1]
+    slot = (last * p + pg.last_page_len - 1).astype(np.int32)
+    q, k_new = qkv[:, :h_qo], qkv[:, h_qo : h_qo + h_kv]
+    if mode == "normal":
+        k_new = ref.rope(k_new, q_pos, ROPE_SCALE, ROPE_THETA).astype(np.float32).astype(_np_dtype(dtype))
+        q = ref.rope(q, q_pos, ROPE_SCALE, ROPE_THETA)
+    want = pg.pages.copy()
+    want[slot // p, 0, :, slot % p] = k_new
+    want[slot // p, 1, :, slot % p] = qkv[:, h_qo + h_kv :]
+    sm_scale = 1.0 / math.sqrt(d)
+    rope_args = (ROPE_SCALE, ROPE_THETA)
+    o_ref, lse_ref = ref.paged_decode(q, q_pos, want, *pg.tables(), sm_scale, *rope_args)
+    tables = [to_dev(a, target) for a in pg.tables()]
+    blocks = split_granule(spec)[0]
+    rope = mode != "none"
+
+    def outputs():
+        return (
+            to_dev(np.ones((B, h_qo, d), _np_dtype(dtype)), target),
+            to_dev(np.zeros((B, h_qo), np.float32), target),
+        )
+
+    def parts(kv_chunk):
+        S = -(-max(kv_lens) // kv_chunk)
+        return (
+            to_dev(np.full((S, B, h_qo, d), np.nan, np.float32), target),
+            to_dev(np.full((S, B, h_qo), np.nan, np.float32), target),
+        )
+
+    if mode == "none":  # the layer kernels read the pages as they are (q as given)
+        q_d, q_pos_d, pages = to_dev(np.ascontiguousarray(q), target), to_dev(q_pos, target), to_dev(want, target)
+        args = (q_d, q_pos_d, pages, *tables)
+        o, lse = outputs()
+        lib["paged_decode"](*args, o, lse, sm_scale, *rope_args)
+        _check(o, lse, o_ref, lse_ref, dtype)
+        for kv_chunk in (64, 200):
+            o_part, lse_part = parts(kv_chunk)
+            lib["paged_decode_split"](*args, o_part, lse_part, sm_scale, *rope_args, kv_chunk)
+            o, lse = outputs()
+            lib["merge_splits"](o_part, lse_part, o, lse)
+            _check(o, lse, o_ref, lse_ref, dtype)
+            counter = to_dev(np.zeros(B * blocks, np.int32), target)
+            o, lse = outputs()
+            lib["paged_decode_split_merge"](*args, o_part, lse_part, counter, o, lse, sm_scale, *rope_args, kv_chunk)
+            _check(o, lse, o_ref, lse_ref, dtype)
+            assert not counter.numpy().any()
+    stale = want.copy()
+    stale[slot // p, :, :, slot % p] = np.nan
+    layouts = ("", "_small_batch") if "paged_decode_append_small_batch" in lib else ("",)
+    for layout in layouts:
+        for kv_chunk in (None, 64, 200, 256):
+            pages = to_dev(stale, target)
+            args = (to_dev(qkv, target), to_dev(q_pos, target), pages, *tables, to_dev(slot, target))
+            o, lse = outputs()
+            if kv_chunk is None:
+                lib["paged_decode_append" + layout](*args, o, lse, sm_scale, *rope_args)
+            else:
+                counter = to_dev(np.zeros(B * blocks, np.int32), target)
+                kernel = lib["paged_decode_append_split" + layout]
+                kernel(*args, *parts(kv_chunk), counter, o, lse, sm_scale, *rope_args, kv_chunk)
+                assert not counter.numpy().any()
+            got = pages.numpy()
+            assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (layout, kv_chunk)
+            _check(o, lse, o_ref, lse_ref, dtype, rope)
+
+
 def _run_ragged(target, spec, lib, mask, new, *, rng, rope=False, layer_window=None, fused=False):
     """Ragged prefill of sequences of ``new[b]`` tokens against the reference; ``fused``: the
     ``_qkv`` kernel, reading q, k and v from one fused qkv and storing k / v at random slots of a page

@@ -77,7 +77,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
-from .decode_layout import MERGE_MAX_SPLITS, WARP, decode_layout
+from .decode_layout import MERGE_MAX_SPLITS, TC16, WARP, decode_layout
 from .fp8 import (
     PAIR_TO_HALF2,
     kv_scale_buffer,
@@ -98,7 +98,11 @@ FP8_STAGES = 3
 TC_STAGES = 3  # ... on the tensor-core path (fp8 pages)
 TC_MIN_BLOCKS = 0  # its __launch_bounds__ blocks per SM (0: no register cap)
 MMA_F16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 CVT_F16X2 = "cvt.rn.f16x2.f32"  # (d, hi, lo)
+CVT_BF16X2 = "cvt.rn.bf16x2.f32"
+# __byte_perm selectors of 16-bit pages: two keys' elements of a dim side by side (even dim, odd dim)
+PERM16_LO, PERM16_HI = 0x5410, 0x7632
 # __byte_perm selectors: bytes (x0, y0, x1, y1) and (x2, y2, x3, y3) of words x, y: two keys' codes of a
 # dim side by side, the pair order of an mma B fragment along its k (key) axis
 PERM_LO, PERM_HI = 0x5140, 0x7362
@@ -217,12 +221,17 @@ def make_paged_decode_cuda(
     sliding = bool(sliding)
     NB = 2 if double_buffer else 1
     # tensor-core path: each warp's K and V rows of a tile, whole, in its slots of a ring of NS stages; a lane
-    # reads back its fragments' codes (per 16-key group: D / 4 bytes of 2 K rows, D / 8 bytes of 4 V rows)
+    # reads back its fragments' elements (per 16-key group: D / 4 of 2 K rows, D / 8 of 4 V rows); fp8 pages
+    # convert them, 16-bit pages (EB 2) are the mma operands as stored
+    EB = dtype_bytes(page_dtype)
+    CE = 16 // EB  # elements of a 16-byte chunk
     NK = lay.get("NK", 1)  # 16-key groups per warp per tile
     KT = 16 * NK  # keys per warp per tile
-    KBY, VBY = D // 4, D // 8  # bytes of a K / V row one lane reads
+    KBY, VBY = D // 4 * EB, D // 8 * EB  # bytes of a K / V row one lane reads
     KCH, VCH = KBY // 16, VBY // 16
-    CPR = D // 16  # 16-byte chunks of a row
+    CPR = D * EB // 16  # 16-byte chunks of a row
+    MMA = MMA_BF16 if dtype == "bfloat16" else MMA_F16
+    CVT_PAIR = CVT_BF16X2 if dtype == "bfloat16" else CVT_F16X2
     NI = CPR // 2  # copy instructions of a 16-key group's K (or V) rows
     NJ, NM = D // 16, D // 8  # k16 steps of S = Q K^T, n8 tiles of O += P V
     QH = H_qo + 2 * H_kv if append else H_qo  # heads of a q row (append: the fused qkv's)
@@ -233,7 +242,9 @@ def make_paged_decode_cuda(
     CHUNK = VEC * dtype_bytes(page_dtype)  # bytes of one load: 16 (fp8 pages: 8, with cp.async.ca)
     COPY = CP16 if CHUNK == 16 else CP8
     if tc:
-        NS = max(2, min(TC_STAGES if stages is None else stages, STAGE_BYTES // (NW * 2 * KT * D)))
+        if stages is None:
+            stages = TC_STAGES if spec.fp8_pages else TC16[2]
+        NS = max(2, min(stages, STAGE_BYTES // (NW * 2 * KT * D * EB)))
         STG_SHAPE = (NS, NW, 2, KT, CPR, 4)  # uint32 words: stage, warp, K | V, row, chunk
         STG_WORDS = math.prod(STG_SHAPE)
     else:
@@ -422,14 +433,15 @@ def make_paged_decode_cuda(
         return T.min(x_base(seq) + t * KB + w * KT + i, seq[DSEQ.end] - 1)
 
     def tc_kdim(c, jj):
-        # first of the 4 dims of k step jj in lane column c's K codes: 16-byte chunk jj // 4 of the lane is
-        # bytes [64 (jj // 4) + 16 c, +16), so the 4 lanes of a key read 64 contiguous bytes per load
-        return jj // 4 * 64 + c * 16 + jj % 4 * 4
+        # first of the 4 dims of k step jj in lane column c's K elements: the lane's 16-byte chunk jj // (CE / 4)
+        # is chunk 4 (jj // (CE / 4)) + c of the row (fp8: bytes [64 (jj // 4) + 16 c, +16)), so the 4 lanes of
+        # a key read 64 contiguous bytes per load
+        return jj // (CE // 4) * 4 * CE + c * CE + jj % (CE // 4) * 4
 
     def tc_vdim(n, mm):
-        # dim of n8 tile mm, column n, of O += P V: lane row n's V chunk mm // 16 is bytes
-        # [128 (mm // 16) + 16 n, +16)
-        return mm // 16 * 128 + n * 16 + mm % 16
+        # dim of n8 tile mm, column n, of O += P V: lane row n's V chunk mm // CE is chunk 8 (mm // CE) + n of
+        # the row (fp8: bytes [128 (mm // 16) + 16 n, +16))
+        return (mm // CE * 8 + n) * CE + mm % CE
 
     def tc_vkey(kk, r, c):
         # key (within the warp's tile) of V row r (0..3) of 16-key group kk of lane column c
@@ -486,12 +498,12 @@ def make_paged_decode_cuda(
                 slot = T.meta_var(tc_key(t, th.w, key, th.seq) & PMASK)
                 T.ptx[CP16](
                     th.stg.ptr_to([s, th.w, 0, key, kswz(key, j), 0]),
-                    pages.ptr_to([tc_pid(th, t, kk, i), 0, th.hk, slot, j * 16]),
+                    pages.ptr_to([tc_pid(th, t, kk, i), 0, th.hk, slot, j * CE]),
                     16,
                 )
                 T.ptx[CP16](
                     th.stg.ptr_to([s, th.w, 1, key, vswz(key, j), 0]),
-                    pages.ptr_to([tc_pid(th, t, kk, i), 1, th.hk, slot, j * 16]),
+                    pages.ptr_to([tc_pid(th, t, kk, i), 1, th.hk, slot, j * CE]),
                     16,
                 )
         T.ptx["cp.async.commit_group"]()
@@ -522,6 +534,13 @@ def make_paged_decode_cuda(
                             s, th.w, 1, tc_vkey(kk, r, th.c), vswz(tc_vkey(kk, r, th.c), q * 8 + th.g), v
                         ]
 
+    def k_operand(th, n, jj, r):
+        # register r of the B fragment of 8-key tile n in k step jj of S = Q K^T: converted codes (fp8 pages)
+        # or the word of two 16-bit elements as staged
+        if EB == 1:
+            return th.kf[n, r]
+        return th.kc[n // 2, n % 2, 2 * jj + r]
+
     @macro
     def tc_compute(th, t):
         seq = T.meta_var(th.seq)
@@ -533,11 +552,12 @@ def make_paged_decode_cuda(
             sc[n, 1] = T.float32(0)
         for jj in T.unroll(NJ):  # the 2 NK accumulators advance side by side
             # a k step's conversions first, then its mmas: no mma waits on the conversion just before it
+            if EB == 1:
+                for n in T.unroll(2 * NK):
+                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[n, 0], th.kc16[n // 2, n % 2, 2 * jj])
+                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[n, 1], th.kc16[n // 2, n % 2, 2 * jj + 1])
             for n in T.unroll(2 * NK):
-                T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[n, 0], th.kc16[n // 2, n % 2, 2 * jj])
-                T.ptx[PAIR_TO_HALF2[page_dtype]](th.kf[n, 1], th.kc16[n // 2, n % 2, 2 * jj + 1])
-            for n in T.unroll(2 * NK):
-                T.ptx[MMA_F16](
+                T.ptx[MMA](
                     sc[n, 0],
                     sc[n, 1],
                     sc[n, 2],
@@ -546,8 +566,8 @@ def make_paged_decode_cuda(
                     th.qa[jj, 1],
                     th.qa[jj, 2],
                     th.qa[jj, 3],
-                    th.kf[n, 0],
-                    th.kf[n, 1],
+                    k_operand(th, n, jj, 0),
+                    k_operand(th, n, jj, 1),
                     sc[n, 0],
                     sc[n, 1],
                     sc[n, 2],
@@ -598,36 +618,71 @@ def make_paged_decode_cuda(
                 th.tm[1] = th.tm[1] + sc[n, e]
         # O += P V, one 16-key group at a time
         for kk in T.unroll(NK):
-            T.ptx[CVT_F16X2](th.pa[0], sc[2 * kk, 1], sc[2 * kk, 0])
-            T.ptx[CVT_F16X2](th.pa[2], sc[2 * kk + 1, 1], sc[2 * kk + 1, 0])
-            for w4 in T.unroll(VBY // 4):
-                for r2 in T.unroll(2):  # keys (2c, 2c+1), then (2c+8, 2c+9)
-                    th.pr[2 * r2] = T.call_extern(
-                        "uint32", "__byte_perm", th.vc[kk, 2 * r2, w4], th.vc[kk, 2 * r2 + 1, w4], T.uint32(PERM_LO)
-                    )
-                    th.pr[2 * r2 + 1] = T.call_extern(
-                        "uint32", "__byte_perm", th.vc[kk, 2 * r2, w4], th.vc[kk, 2 * r2 + 1, w4], T.uint32(PERM_HI)
-                    )
-                for dd in T.unroll(4):  # (conversions first, as for S)
-                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[dd, 0], th.pr16[dd])
-                    T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[dd, 1], th.pr16[4 + dd])
-                for dd in T.unroll(4):
-                    T.ptx[MMA_F16](
-                        th.Oc[w4 * 4 + dd, 0],
-                        th.Oc[w4 * 4 + dd, 1],
-                        th.Oc[w4 * 4 + dd, 2],
-                        th.Oc[w4 * 4 + dd, 3],
-                        th.pa[0],
-                        th.pa[1],
-                        th.pa[2],
-                        th.pa[3],
-                        th.vf[dd, 0],
-                        th.vf[dd, 1],
-                        th.Oc[w4 * 4 + dd, 0],
-                        th.Oc[w4 * 4 + dd, 1],
-                        th.Oc[w4 * 4 + dd, 2],
-                        th.Oc[w4 * 4 + dd, 3],
-                    )
+            T.ptx[CVT_PAIR](th.pa[0], sc[2 * kk, 1], sc[2 * kk, 0])
+            T.ptx[CVT_PAIR](th.pa[2], sc[2 * kk + 1, 1], sc[2 * kk + 1, 0])
+            if EB == 2:  # a word of a V row is two dims: two keys' elements of a dim paired with __byte_perm
+                for w2 in T.unroll(VBY // 4):
+                    for r2 in T.unroll(2):  # keys (2c, 2c+1), then (2c+8, 2c+9)
+                        th.pr[r2] = T.call_extern(
+                            "uint32",
+                            "__byte_perm",
+                            th.vc[kk, 2 * r2, w2],
+                            th.vc[kk, 2 * r2 + 1, w2],
+                            T.uint32(PERM16_LO),
+                        )
+                        th.pr[2 + r2] = T.call_extern(
+                            "uint32",
+                            "__byte_perm",
+                            th.vc[kk, 2 * r2, w2],
+                            th.vc[kk, 2 * r2 + 1, w2],
+                            T.uint32(PERM16_HI),
+                        )
+                    for dd in T.unroll(2):
+                        T.ptx[MMA](
+                            th.Oc[w2 * 2 + dd, 0],
+                            th.Oc[w2 * 2 + dd, 1],
+                            th.Oc[w2 * 2 + dd, 2],
+                            th.Oc[w2 * 2 + dd, 3],
+                            th.pa[0],
+                            th.pa[1],
+                            th.pa[2],
+                            th.pa[3],
+                            th.pr[2 * dd],
+                            th.pr[2 * dd + 1],
+                            th.Oc[w2 * 2 + dd, 0],
+                            th.Oc[w2 * 2 + dd, 1],
+                            th.Oc[w2 * 2 + dd, 2],
+                            th.Oc[w2 * 2 + dd, 3],
+                        )
+            else:
+                for w4 in T.unroll(VBY // 4):
+                    for r2 in T.unroll(2):  # keys (2c, 2c+1), then (2c+8, 2c+9)
+                        th.pr[2 * r2] = T.call_extern(
+                            "uint32", "__byte_perm", th.vc[kk, 2 * r2, w4], th.vc[kk, 2 * r2 + 1, w4], T.uint32(PERM_LO)
+                        )
+                        th.pr[2 * r2 + 1] = T.call_extern(
+                            "uint32", "__byte_perm", th.vc[kk, 2 * r2, w4], th.vc[kk, 2 * r2 + 1, w4], T.uint32(PERM_HI)
+                        )
+                    for dd in T.unroll(4):  # (conversions first, as for S)
+                        T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[dd, 0], th.pr16[dd])
+                        T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[dd, 1], th.pr16[4 + dd])
+                    for dd in T.unroll(4):
+                        T.ptx[MMA](
+                            th.Oc[w4 * 4 + dd, 0],
+                            th.Oc[w4 * 4 + dd, 1],
+                            th.Oc[w4 * 4 + dd, 2],
+                            th.Oc[w4 * 4 + dd, 3],
+                            th.pa[0],
+                            th.pa[1],
+                            th.pa[2],
+                            th.pa[3],
+                            th.vf[dd, 0],
+                            th.vf[dd, 1],
+                            th.Oc[w4 * 4 + dd, 0],
+                            th.Oc[w4 * 4 + dd, 1],
+                            th.Oc[w4 * 4 + dd, 2],
+                            th.Oc[w4 * 4 + dd, 3],
+                        )
 
     def q_value(q, q_pos, rope_scale, rope_theta, b, h, d):
         # element d of query head h of sequence b, float32: rotated by its position where the kernel
@@ -755,7 +810,7 @@ def make_paged_decode_cuda(
                 qa[jj, 2 * e + 1] = T.uint32(0)
                 if g < GQ:
                     if rotate:
-                        T.ptx[CVT_F16X2](
+                        T.ptx[CVT_PAIR](
                             qa[jj, 2 * e],
                             q_value(q, q_pos, rope_scale, rope_theta, b, h0 + g, tc_kdim(c, jj) + 2 * e + 1),
                             q_value(q, q_pos, rope_scale, rope_theta, b, h0 + g, tc_kdim(c, jj) + 2 * e),

@@ -42,6 +42,13 @@ TC_SMALL_GROUPS = 1
 # measured 0.93-1.15x the CUDA-core time on an H100 (32x1024, 64x4096, 128x2048; bench/RESULTS.md), and its
 # 96 KiB ring would not fit sm_89's shared memory
 TC_HEAD_DIMS = (128,)
+# 16-bit pages (fp16 / bf16, the activation dtype) on the tensor cores: no conversion, twice the bytes a
+# key, so a warp takes one 16-key group a tile (the fp8 layout's registers for K / V fragments) and a block
+# TC16_WARPS of them; EXPERIMENT (branch decode-tc16): $TVMKV_TC16 = "off" or "warps,groups,stages"
+import os as _os  # noqa: E402
+
+_TC16 = _os.environ.get("TVMKV_TC16", "2,1,3")
+TC16 = None if _TC16 == "off" else tuple(int(x) for x in _TC16.split(","))
 SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
 
 MERGE_MAX_SPLITS = 64  # most chunks paged_decode_split_merge merges in-kernel (more: split + merge_splits)
@@ -130,12 +137,18 @@ def tensor_core_layout(spec: KernelSpec, num_warps: int | None = None, tc_groups
     """The tensor-core decode layout of ``spec`` (fp8 pages, fp16 activations, head_dim in
     :data:`TC_HEAD_DIMS`, cuda), else ``None``: ``GQ`` query heads per block (the largest divisor of
     the group up to :data:`TC_MAX_HEADS`), ``NW`` warps of ``16 NK`` keys per tile each."""
-    if not (
-        spec.target_kind == "cuda" and spec.fp8_pages and spec.dtype == "float16" and spec.head_dim in TC_HEAD_DIMS
-    ):
+    if spec.target_kind != "cuda" or spec.head_dim not in TC_HEAD_DIMS:
         return None
-    nw = TC_WARPS if num_warps is None else num_warps
-    nk = TC_GROUPS if tc_groups is None else tc_groups
+    if spec.fp8_pages:
+        if spec.dtype != "float16":
+            return None
+        nw = TC_WARPS if num_warps is None else num_warps
+        nk = TC_GROUPS if tc_groups is None else tc_groups
+    else:
+        if TC16 is None or spec.page_dtype != spec.dtype or spec.dtype not in ("float16", "bfloat16"):
+            return None
+        nw = TC16[0] if num_warps is None else num_warps
+        nk = TC16[1] if tc_groups is None else tc_groups
     group = spec.group
     GQ = max(x for x in range(1, min(group, TC_MAX_HEADS) + 1) if group % x == 0)
     return {"TC": True, "NK": nk, "GQ": GQ, "NW": nw, "KB": nw * 16 * nk, "NGB": group // GQ}
