@@ -507,7 +507,11 @@ def test_tensor_core_decode_of_16bit_pages(target, shape, rng):
                 kernel(*args, *parts(kv_chunk), counter, o, lse, sm_scale, *rope_args, kv_chunk)
                 assert not counter.numpy().any()
             got = pages.numpy()
-            assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (layout, kv_chunk)
+            if rope:  # the kernel rotates the new key in fp32 with its own sin / cos: a rounding apart
+                tol = _tol(dtype, True)
+                np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), atol=tol, rtol=tol)
+            else:  # stored as given, bit for bit
+                assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (layout, kv_chunk)
             _check(o, lse, o_ref, lse_ref, dtype, rope)
 
 

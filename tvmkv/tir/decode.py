@@ -125,15 +125,17 @@ def make_paged_decode_append(
 ):
     """A decode step's whole layer in one launch: ``split_rope_append`` folded into ``paged_decode``
     (``split``: into ``paged_decode_split_merge``). cuda with the fast decode layout: 16-bit pages, and
-    fp8 pages where the decode runs on the tensor cores; ``None`` elsewhere (the runtime then launches
+    fp8 pages where the decode runs on the tensor cores (:func:`~tvmkv.tir.decode_layout.tensor_core_layout`);
+    ``None`` elsewhere (the runtime then launches
     ``split_rope_append`` and the attention kernel; fp8 pages on the CUDA-core decode: the two launches
     are faster, measured on an H200, bench/RESULTS.md "fp8 pages").
 
-    16-bit pages: one block per (sequence, kv head) stores the new token's k (rotated by its position
-    when ``rotate``: rope mode "normal", as ``split_rope`` does) and v at its slot; every block reads q
-    and that new key from ``qkv`` rather than from the pages, so no block waits for the store. fp8
-    pages (tensor cores): each block whose keys reach the new token stores its codes, waits for its
-    own stores and copies them back with the other keys.
+    On the CUDA cores (16-bit pages outside the tensor-core layout): one block per (sequence, kv head)
+    stores the new token's k (rotated by its position when ``rotate``: rope mode "normal", as
+    ``split_rope`` does) and v at its slot; every block reads q and that new key from ``qkv`` rather than
+    from the pages, so no block waits for the store. On the tensor cores (fp8 pages under fp16; fp16 /
+    bf16 pages at head_dim 128): each block whose keys reach the new token stores it (fp8: its codes),
+    waits for its own stores and copies them back with the other keys.
 
     Parameters (of the returned PrimFunc, in order)
     ----------

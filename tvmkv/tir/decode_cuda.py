@@ -77,7 +77,7 @@ from tvm.script import tirx as T
 
 from ._kernel_common import LOG2E, macro, rope_inv_freq, slots
 from .attention import decode_func
-from .decode_layout import MERGE_MAX_SPLITS, TC16, WARP, decode_layout
+from .decode_layout import MERGE_MAX_SPLITS, TC16_STAGES, WARP, decode_layout
 from .fp8 import (
     PAIR_TO_HALF2,
     kv_scale_buffer,
@@ -243,7 +243,7 @@ def make_paged_decode_cuda(
     COPY = CP16 if CHUNK == 16 else CP8
     if tc:
         if stages is None:
-            stages = TC_STAGES if spec.fp8_pages else TC16[2]
+            stages = TC_STAGES if spec.fp8_pages else TC16_STAGES
         NS = max(2, min(stages, STAGE_BYTES // (NW * 2 * KT * D * EB)))
         STG_SHAPE = (NS, NW, 2, KT, CPR, 4)  # uint32 words: stage, warp, K | V, row, chunk
         STG_WORDS = math.prod(STG_SHAPE)

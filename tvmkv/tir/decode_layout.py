@@ -42,13 +42,16 @@ TC_SMALL_GROUPS = 1
 # measured 0.93-1.15x the CUDA-core time on an H100 (32x1024, 64x4096, 128x2048; bench/RESULTS.md), and its
 # 96 KiB ring would not fit sm_89's shared memory
 TC_HEAD_DIMS = (128,)
-# 16-bit pages (fp16 / bf16, the activation dtype) on the tensor cores: no conversion, twice the bytes a
-# key, so a warp takes one 16-key group a tile (the fp8 layout's registers for K / V fragments) and a block
-# TC16_WARPS of them; EXPERIMENT (branch decode-tc16): $TVMKV_TC16 = "off" or "warps,groups,stages"
-import os as _os  # noqa: E402
-
-_TC16 = _os.environ.get("TVMKV_TC16", "2,1,3")
-TC16 = None if _TC16 == "off" else tuple(int(x) for x in _TC16.split(","))
+# 16-bit pages (fp16 / bf16, the activation dtype) at head_dim 128 take the tensor cores too, with the
+# elements as staged (no conversion; V's key pairs by __byte_perm). Twice fp8's bytes a key, so a warp
+# takes TC16_GROUPS 16-key groups a tile (the fp8 layout's registers for its K / V fragments), a block
+# TC16_WARPS warps, a ring of TC16_STAGES stages. Through the API on an H100 (fp16, H_qo 32, H_kv 8, page
+# 16; bench/RESULTS.md) 2 warps x 16 keys, 3 stages took 0.92-1.00x SDPA's time from 32x1024 to 256x128
+# and at 64x4096, where the CUDA-core decode took 1.03-1.29x; 4 warps x 16 keys (2 stages) was 5% slower
+# at 64x4096, 2 warps x 32 keys 6-18% slower from 64x512 to 256x128
+TC16_WARPS = 2
+TC16_GROUPS = 1
+TC16_STAGES = 3
 SMEM_FLOATS = 8192  # the warps' partial O kept in shared memory for the final merge (32 KiB)
 
 MERGE_MAX_SPLITS = 64  # most chunks paged_decode_split_merge merges in-kernel (more: split + merge_splits)
@@ -69,8 +72,8 @@ def decode_layout(
 ):
     """Static thread layout of the CUDA decode kernel, or ``None`` where it does not apply.
 
-    ``tensor_cores`` (default: where it applies, :func:`tensor_core_layout`) picks the tensor-core layout
-    of fp8 pages; ``False`` the CUDA-core one (the kernels with a sliding window or inline RoPE).
+    ``tensor_cores`` (default: where it applies, :func:`tensor_core_layout`: fp8 pages under fp16, fp16 /
+    bf16 pages of the activation dtype, head_dim 128) picks the tensor-core layout; ``False`` the CUDA-core one (the kernels with a sliding window or inline RoPE).
 
     The knobs left ``None`` take the defaults of the page dtype: :data:`DEFAULT_WARPS`, up to 32 lanes
     per key, :data:`REG_FLOATS` and :data:`LOAD_BYTES` for 16-bit pages; the ``FP8_*`` ones for fp8.
@@ -86,8 +89,9 @@ def decode_layout(
             return lay
         if tensor_cores:
             raise ValueError(
-                f"tensor_cores=True for {spec.tag}: the tensor-core decode needs fp8 pages, float16 activations "
-                f"and head_dim in {TC_HEAD_DIMS} on cuda; leave tensor_cores unset"
+                f"tensor_cores=True for {spec.tag}: the tensor-core decode needs head_dim in {TC_HEAD_DIMS} on cuda "
+                "and fp8 pages under float16 activations or float16 / bfloat16 pages of the activation dtype; leave "
+                "tensor_cores unset"
             )
     D, group = spec.head_dim, spec.group
     eb = dtype_bytes(spec.page_dtype)
@@ -134,8 +138,8 @@ def decode_layout(
 
 
 def tensor_core_layout(spec: KernelSpec, num_warps: int | None = None, tc_groups: int | None = None):
-    """The tensor-core decode layout of ``spec`` (fp8 pages, fp16 activations, head_dim in
-    :data:`TC_HEAD_DIMS`, cuda), else ``None``: ``GQ`` query heads per block (the largest divisor of
+    """The tensor-core decode layout of ``spec`` (cuda, head_dim in :data:`TC_HEAD_DIMS`; fp8 pages
+    under fp16 activations, or pages of the activation dtype, fp16 or bf16), else ``None``: ``GQ`` query heads per block (the largest divisor of
     the group up to :data:`TC_MAX_HEADS`), ``NW`` warps of ``16 NK`` keys per tile each."""
     if spec.target_kind != "cuda" or spec.head_dim not in TC_HEAD_DIMS:
         return None
@@ -145,10 +149,10 @@ def tensor_core_layout(spec: KernelSpec, num_warps: int | None = None, tc_groups
         nw = TC_WARPS if num_warps is None else num_warps
         nk = TC_GROUPS if tc_groups is None else tc_groups
     else:
-        if TC16 is None or spec.page_dtype != spec.dtype or spec.dtype not in ("float16", "bfloat16"):
+        if spec.page_dtype != spec.dtype or spec.dtype not in ("float16", "bfloat16"):
             return None
-        nw = TC16[0] if num_warps is None else num_warps
-        nk = TC16[1] if tc_groups is None else tc_groups
+        nw = TC16_WARPS if num_warps is None else num_warps
+        nk = TC16_GROUPS if tc_groups is None else tc_groups
     group = spec.group
     GQ = max(x for x in range(1, min(group, TC_MAX_HEADS) + 1) if group % x == 0)
     return {"TC": True, "NK": nk, "GQ": GQ, "NW": nw, "KB": nw * 16 * nk, "NGB": group // GQ}
