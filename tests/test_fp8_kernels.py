@@ -773,7 +773,10 @@ def test_fp8_small_batch_decode_layout_for_steps_of_few_blocks(monkeypatch):
 
     spec = KernelSpec(32, 8, 128, 16, "float16", "cuda", "float8_e4m3fn")
     assert small_batch_granule(spec) == (8, 128) and split_granule(spec) == (8, 64)
-    assert small_batch_granule(KernelSpec(32, 8, 128, 16, "float16", "cuda")) is None  # 16-bit pages
+    # 16-bit pages of the activation dtype take the tensor cores too (2 warps of 16 keys a block by default)
+    assert small_batch_granule(KernelSpec(32, 8, 128, 16, "float16", "cuda")) == (8, 128)
+    assert split_granule(KernelSpec(32, 8, 128, 16, "bfloat16", "cuda")) == (8, 32)
+    assert small_batch_granule(KernelSpec(32, 8, 64, 16, "float16", "cuda")) is None  # head_dim 64: CUDA cores
     assert small_batch_granule(KernelSpec(32, 8, 128, 16, "bfloat16", "cuda", "float8_e4m3fn")) is None
     names = set(kernel_set(spec, rope_mode="none", arch="sm_90"))
     small = {"paged_decode_append_small_batch", "paged_decode_append_split_small_batch"}
