@@ -63,8 +63,9 @@ def kernel_set(
     ``ragged_prefill_causal_qkv``: a prefill that reads q (and, ragged, k and v) straight from the
     fused qkv, so it needs no ``split_rope``; the ragged one also stores the new K/V (docs/layout.md,
     "Fused qkv"). On cuda, ``paged_decode_append[_split]`` run a decode layer in one launch; where that
-    decode runs on the tensor cores (fp8 pages under fp16, fp16 / bf16 pages at head_dim 128) and ``arch`` is sm_90, ``paged_decode_append[_split]_small_batch``
-    do the same with the layout of steps whose blocks fill the SMs at most once (:func:`small_batch_granule`).
+    decode runs on the tensor cores (fp8 pages under fp16, fp16 / bf16 pages at head_dim 128) and
+    ``arch`` is sm_90, ``paged_decode_append[_split]_small_batch`` do the same with the layout of steps
+    whose blocks fill the SMs at most once (:func:`small_batch_granule`).
     """
     from . import append, decode, merge, page_ops, plan_ops, prefill, ragged, rope
     from ._kernel_common import func_attrs

@@ -73,7 +73,8 @@ def decode_layout(
     """Static thread layout of the CUDA decode kernel, or ``None`` where it does not apply.
 
     ``tensor_cores`` (default: where it applies, :func:`tensor_core_layout`: fp8 pages under fp16, fp16 /
-    bf16 pages of the activation dtype, head_dim 128) picks the tensor-core layout; ``False`` the CUDA-core one (the kernels with a sliding window or inline RoPE).
+    bf16 pages of the activation dtype, head_dim 128) picks the tensor-core layout; ``False`` the
+    CUDA-core one (the kernels with a sliding window or inline RoPE).
 
     The knobs left ``None`` take the defaults of the page dtype: :data:`DEFAULT_WARPS`, up to 32 lanes
     per key, :data:`REG_FLOATS` and :data:`LOAD_BYTES` for 16-bit pages; the ``FP8_*`` ones for fp8.
@@ -139,8 +140,9 @@ def decode_layout(
 
 def tensor_core_layout(spec: KernelSpec, num_warps: int | None = None, tc_groups: int | None = None):
     """The tensor-core decode layout of ``spec`` (cuda, head_dim in :data:`TC_HEAD_DIMS`; fp8 pages
-    under fp16 activations, or pages of the activation dtype, fp16 or bf16), else ``None``: ``GQ`` query heads per block (the largest divisor of
-    the group up to :data:`TC_MAX_HEADS`), ``NW`` warps of ``16 NK`` keys per tile each."""
+    under fp16 activations, or pages of the activation dtype, fp16 or bf16), else ``None``: ``GQ``
+    query heads per block (the largest divisor of the group up to :data:`TC_MAX_HEADS`), ``NW`` warps
+    of ``16 NK`` keys per tile each."""
     if spec.target_kind != "cuda" or spec.head_dim not in TC_HEAD_DIMS:
         return None
     if spec.fp8_pages:
