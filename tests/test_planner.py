@@ -320,8 +320,9 @@ def test_page_pool_shared_set_follows_the_references():
         op = rng.integers(3)
         if op == 0:
             n = int(rng.integers(0, pool.num_free + 1))
+            version = pool.version
             got = pool.alloc(n)
-            assert got == free[:n]
+            assert got == free[:n] and (pool.version == version) == (n == 0)
             del free[:n]
             for p in got:
                 refs[p] = 1

@@ -80,13 +80,13 @@ class PagePool:
         """``count`` free pages, each with ref count 1. Callers check :meth:`ensure_free` first."""
         if count > len(self._free):
             raise OutOfPagesError(count, len(self._free))
+        if count <= 0:  # nothing taken, nothing changed
+            return []
         self.version += 1
         if count == 1:  # a decode step's usual request: no list comprehension, no fancy indexing
             page = self._free.pop()
             self._ref[page] = 1
             return [page]
-        if count <= 0:
-            return []
         free, ref = self._free, self._ref
         pages = free[: -count - 1 : -1]  # the last ``count`` entries, last first: the order pop() takes them
         del free[len(free) - count :]

@@ -556,6 +556,8 @@ def reserve(seqs: list, cow: list, grow: list, pool: PagePool, table: SequenceTa
     """Give the sequences at rows ``cow`` a copy of their shared partial last page (``copy_page(src,
     dst, num_slots)``) and each ``seqs[i]`` ``grow[i]`` new pages, in batch order (a copy before the
     new pages of its sequence). The caller checked that enough pages are free."""
+    if not cow and not any(grow):
+        return
     new = pool.alloc(len(cow) + sum(grow))  # handed out in the order one allocation per row would take
     if not cow:
         rows = list(compress(range(len(grow)), grow))
