@@ -542,6 +542,27 @@ def make_paged_decode_cuda(
         return th.kc[n // 2, n % 2, 2 * jj + r]
 
     @macro
+    def pv_mma(th, m, b0, b1):
+        # O += P V on n8 tile m of O: P (th.pa, the probabilities of a 16-key group) times the B fragment
+        # (b0, b1) of that tile's V columns, accumulated in place
+        T.ptx[MMA](
+            th.Oc[m, 0],
+            th.Oc[m, 1],
+            th.Oc[m, 2],
+            th.Oc[m, 3],
+            th.pa[0],
+            th.pa[1],
+            th.pa[2],
+            th.pa[3],
+            b0,
+            b1,
+            th.Oc[m, 0],
+            th.Oc[m, 1],
+            th.Oc[m, 2],
+            th.Oc[m, 3],
+        )
+
+    @macro
     def tc_compute(th, t):
         seq = T.meta_var(th.seq)
         st = T.meta_var(th.st)
@@ -638,22 +659,7 @@ def make_paged_decode_cuda(
                             T.uint32(PERM16_HI),
                         )
                     for dd in T.unroll(2):
-                        T.ptx[MMA](
-                            th.Oc[w2 * 2 + dd, 0],
-                            th.Oc[w2 * 2 + dd, 1],
-                            th.Oc[w2 * 2 + dd, 2],
-                            th.Oc[w2 * 2 + dd, 3],
-                            th.pa[0],
-                            th.pa[1],
-                            th.pa[2],
-                            th.pa[3],
-                            th.pr[2 * dd],
-                            th.pr[2 * dd + 1],
-                            th.Oc[w2 * 2 + dd, 0],
-                            th.Oc[w2 * 2 + dd, 1],
-                            th.Oc[w2 * 2 + dd, 2],
-                            th.Oc[w2 * 2 + dd, 3],
-                        )
+                        pv_mma(th, w2 * 2 + dd, th.pr[2 * dd], th.pr[2 * dd + 1])
             else:
                 for w4 in T.unroll(VBY // 4):
                     for r2 in T.unroll(2):  # keys (2c, 2c+1), then (2c+8, 2c+9)
@@ -667,22 +673,7 @@ def make_paged_decode_cuda(
                         T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[dd, 0], th.pr16[dd])
                         T.ptx[PAIR_TO_HALF2[page_dtype]](th.vf[dd, 1], th.pr16[4 + dd])
                     for dd in T.unroll(4):
-                        T.ptx[MMA](
-                            th.Oc[w4 * 4 + dd, 0],
-                            th.Oc[w4 * 4 + dd, 1],
-                            th.Oc[w4 * 4 + dd, 2],
-                            th.Oc[w4 * 4 + dd, 3],
-                            th.pa[0],
-                            th.pa[1],
-                            th.pa[2],
-                            th.pa[3],
-                            th.vf[dd, 0],
-                            th.vf[dd, 1],
-                            th.Oc[w4 * 4 + dd, 0],
-                            th.Oc[w4 * 4 + dd, 1],
-                            th.Oc[w4 * 4 + dd, 2],
-                            th.Oc[w4 * 4 + dd, 3],
-                        )
+                        pv_mma(th, w4 * 4 + dd, th.vf[dd, 0], th.vf[dd, 1])
 
     def q_value(q, q_pos, rope_scale, rope_theta, b, h, d):
         # element d of query head h of sequence b, float32: rotated by its position where the kernel
