@@ -308,7 +308,7 @@ def run_pair(libs, target_kind, batch, capacity_factor, steps, *, churn="", bloc
         "tvm": make_tvm(libs, device, batch, max_total, chunk, layers),
         "tvmkv": make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, layers=layers),
     }
-    if churn in ("flip", "replace", "fork"):  # the same cache planning changed decode batches on the host
+    if churn:  # the same cache planning changed decode batches and prefill steps on the host
         impls["tvmkv_host"] = make_tvmkv(libs, target_kind, batch, num_pages, max_total, chunk, False, layers)
     ids = list(range(batch))
     tensors: dict = {}  # tokens of a step -> (qkv, out)
@@ -458,12 +458,15 @@ def render(rows, meta) -> str:
         "sequence only for those that get a page (`struct` writes that run). Batch 1 "
         "with its order flipped is the same batch (the fast path). The fork rows' begin_forward includes "
         "the copy of the shared page (one `copy_page_layers` launch for every layer); TVM's cache copies in "
-        "`fork_sequence`, which is not timed. A prefill or mixed step of up to 64 sequences without token trees "
-        "or windows (the two chunk rows) is planned by `plan.Planner._prefill_few`: Python ints per sequence "
-        "(pages to reserve, handed out by one allocation; indptrs; last-page fill), NumPy only per new token "
-        "(positions, slots), and the bound forward of its shape, slot and kernel kept and rebound only to "
-        "the new batch. Token-tree steps, windows and larger batches take the general path "
-        "(`plan.plan_step`), not timed here.",
+        "`fork_sequence`, which is not timed. A prefill or mixed step without token trees or windows (the two "
+        "chunk rows) is planned on the device too (`plan.Planner._prefill_device`): Python ints per sequence "
+        "(pages to reserve, handed out by one allocation; indptrs), seven ints per sequence and the new "
+        "pages packed into the stage, and one `plan_prefill` launch that writes every array, the positions "
+        "and slots of the new tokens included; the bound forward of its shape, slot and kernel is kept and "
+        "rebound only to the new batch. Planned on the host, such a step of up to 64 sequences takes "
+        "`plan.Planner._prefill_few` (Python ints per sequence, NumPy per new token), a larger one the "
+        "general path (`plan.plan_step`, whole-batch NumPy), as token-tree steps and windows always do "
+        "(not timed here).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -438,3 +438,73 @@ def test_plan_decode(target, cfg, batch, rng):
     _kernels(target, cfg)["plan_decode"](to_dev(stage, target), table_d, out_d, batch, *offsets)
     np.testing.assert_array_equal(out_d.numpy(), want)
     np.testing.assert_array_equal(table_d.numpy(), want_table)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2], CONFIGS[5]], ids=[CONFIG_IDS[0], CONFIG_IDS[2], CONFIG_IDS[5]])
+@pytest.mark.parametrize("batch", [1, 7, 70])
+def test_plan_prefill(target, cfg, batch, rng):
+    """``plan_prefill`` (tvmkv.tir.plan_ops) against docs/layout.md's arrays of a prefill / mixed step
+    built in NumPy token by token from the same page lists: new tokens from 1 (a decode row) to more
+    than a CUDA block's threads, onto no history, a partial page or a page boundary; rows the table
+    holds whole, in part or not at all; the rest of the packed buffer untouched; kv_window and the
+    tree arrays zeroed over garbage."""
+    from tvmkv.tir.decode_layout import PREFILL_STAGE_COLS
+
+    P = cfg[3]
+    m = rng.choice([1, 2, P, 3 * P + 1, 300], batch)  # new tokens
+    m[0] = 300 if batch > 1 else m[0]
+    hist = np.array([rng.choice([0, P, 5 * P + 3, int(rng.integers(0, 20 * P))]) for _ in range(batch)])
+    end = hist + m
+    npages = -(-end // P)
+    rows, width = batch + 5, int(npages.max()) + 3
+    table = rng.integers(0, 1000, (rows, width)).astype(np.int32)
+    row = rng.permutation(rows)[:batch]
+    pages = [rng.permutation(5000)[:n].astype(np.int32) for n in npages]  # its pages after the step
+    have = -(-hist // P)
+    first = np.array([rng.choice([0, n, h, max(h - 1, 0), int(rng.integers(0, n + 1))]) for n, h in zip(npages, have)])
+    for r, p, f in zip(row, pages, first):
+        table[r, :f] = p[:f]
+    new = [p[f:] for p, f in zip(pages, first)]
+    delta = np.concatenate([[0], np.cumsum([len(x) for x in new])])[:-1]
+    starts = np.concatenate([[0], np.cumsum(npages)])
+    q_starts = np.concatenate([[0], np.cumsum(m)])
+    cols = [row, hist, first, delta, starts[:-1], q_starts[:-1], m]
+    assert len(cols) == PREFILL_STAGE_COLS
+    stage = np.concatenate([*cols, *new]).astype(np.int32)
+    total = int(q_starts[-1])
+    al = lambda n: -(-n // 16) * 16  # noqa: E731
+    at, off = 0, {}
+    for name, size in [
+        ("q_indptr", batch + 1),
+        ("q_pos", total),
+        ("slots", total),
+        ("lpl", batch),
+        ("page_indptr", batch + 1),
+        ("zero", 3 * batch + 2 * total + 4 * batch + 1),
+    ]:
+        off[name], at = at, at + al(size)
+    nz = 3 * batch + 2 * total + 4 * batch + 1
+    pi = at
+    out = rng.integers(-9, 9, pi + starts[-1] + 37).astype(np.int32)
+    want, want_table = out.copy(), table.copy()
+    q_pos, slots = [], []
+    for b in range(batch):
+        for t in range(m[b]):
+            j = hist[b] + t
+            q_pos.append(j)
+            slots.append(pages[b][j // P] * P + j % P)
+    want[off["q_indptr"] : off["q_indptr"] + batch + 1] = q_starts
+    want[off["q_pos"] : off["q_pos"] + total] = q_pos
+    want[off["slots"] : off["slots"] + total] = slots
+    want[off["lpl"] : off["lpl"] + batch] = [e - (n - 1) * P for e, n in zip(end, npages)]
+    want[off["page_indptr"] : off["page_indptr"] + batch + 1] = starts
+    want[off["zero"] : off["zero"] + nz] = 0
+    want[pi : pi + starts[-1]] = np.concatenate(pages)
+    for r, p in zip(row, pages):
+        want_table[r, : len(p)] = p
+    table_d, out_d = to_dev(table, target), to_dev(out, target)
+    offsets = [off[name] for name in ("q_indptr", "q_pos", "slots", "lpl", "page_indptr", "zero")]
+    offsets += [off["zero"] + nz, pi]
+    _kernels(target, cfg)["plan_prefill"](to_dev(stage, target), table_d, out_d, batch, *offsets)
+    np.testing.assert_array_equal(out_d.numpy(), want)
+    np.testing.assert_array_equal(table_d.numpy(), want_table)

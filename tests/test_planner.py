@@ -145,7 +145,8 @@ class Driver:
         self.next_id = sequences
         self.last_decode: tuple | None = None
         self.forwards = self.repeats = self.out_of_pages = self.cows = self.large = self.on_device = 0
-        self.wide_prefills = 0  # prefill / mixed steps above FEW sequences (plan_step's path, not _prefill_few)
+        self.prefills_on_device = 0  # prefill / mixed steps planned on the device (plan_prefill)
+        self.wide_prefills = 0  # prefill / mixed steps above FEW sequences (plan_step on the host, not _prefill_few)
 
     def ids(self) -> list:
         return self.cache.sequence_ids()
@@ -276,6 +277,7 @@ class Driver:
         self.repeats += info.repeated
         self.on_device += info.planned_on_device
         decode = parents is None and sum(lengths) == len(lengths)
+        self.prefills_on_device += info.planned_on_device and not decode
         self.last_decode = (batch, lengths, None) if decode else self.last_decode
 
 
@@ -303,6 +305,7 @@ def test_random_operations_plan_the_layout(seed, num_pages, sequences, device_pl
         assert d.large > (20 if num_pages > 200 else 0), d.large
         assert (d.wide_prefills > 3) if num_pages > 200 else not d.wide_prefills, d.wide_prefills
     assert (d.on_device > (5 if num_pages > 200 else 0)) if device_planning else not d.on_device, d.on_device
+    assert (d.prefills_on_device > 3) if device_planning else not d.prefills_on_device, d.prefills_on_device
 
 
 def test_page_pool_shared_set_follows_the_references():

@@ -26,7 +26,8 @@ class CacheConfig:
     filled page per sequence of a full batch. ``decode_splits`` (``None``: automatic) caps how many
     ways a decode step cuts its sequences (docs/layout.md, "Split decode"); ``stable_decode_splits`` plans
     those cuts for CUDA-graph replay (docs/cuda_graphs.md); ``device_planning`` plans a decode step whose batch
-    changed on the device, from a page table kept there (docs/layout.md, "Device page table"). ``rope_scaling`` (None,
+    changed, and a prefill or mixed step, on the device from a page table kept there (docs/layout.md, "Device
+    page table"). ``rope_scaling`` (None,
     TVM's / Hugging Face's dict, or a :class:`tvmkv.tir.RopeScaling`) and ``rotary_dim`` (None: the
     whole head) choose the RoPE variant of rope mode "normal" (docs/layout.md, "RoPE"); after
     construction ``rope_scaling`` is always a RopeScaling and ``rotary_dim`` an int. ``kv_dtype``
@@ -57,7 +58,7 @@ class CacheConfig:
     num_pages: int | None = None
     decode_splits: int | None = None
     stable_decode_splits: bool = False  # split plans for CUDA-graph replay (decode_split.plan_split, stable)
-    device_planning: bool = True  # decode steps of a changed batch planned on the device (runtime.device_plan)
+    device_planning: bool = True  # changed decode batches and prefill steps planned on the device (runtime.device_plan)
     layer_windows: tuple = ()  # per-layer sliding window (0: full attention); () = every layer full
     rope_scaling: RopeScaling | dict | None = None  # normalized to a resolved RopeScaling
     rotary_dim: int | None = None  # normalized to the rotated dims (head_dim when all rotate)

@@ -133,10 +133,11 @@ class PagedAttentionKVCache:
         so a captured decode step stays valid until the longest sequence doubles. Default False.
     device_planning : bool
         Plan a decode step whose batch changed since the last step (arrivals, departures, forks,
-        preemption, a new order) on the device: every sequence's page list is kept in a device table
-        patched only where it changed, and one small kernel writes the step's index arrays from five
-        integers per sequence (docs/layout.md, "Device page table"). False plans those steps on the
-        host. Default True (where the kernel library has ``plan_decode``: every non-MLA one).
+        preemption, a new order), and a prefill or mixed step without token trees or windows, on the
+        device: every sequence's page list is kept in a device table patched only where it changed, and
+        one small kernel writes the step's index arrays from five (seven) integers per sequence
+        (docs/layout.md, "Device page table"). False plans those steps on the host. Default True (where
+        the kernel library has ``plan_decode`` / ``plan_prefill``: every non-MLA one).
     build_dir : path, optional
         Where compiled kernels are cached (default: see ``python -m tvmkv build --help``).
 
@@ -305,7 +306,12 @@ class PagedAttentionKVCache:
         self._index = IndexBuffers(device, arrays + -(-cfg.max_total_seq_len // cfg.page_size) + B)
         self._planner = Planner(self._index, cfg.page_size)
         if cfg.device_planning and "plan_decode" in self.kernels:
-            self._planner.device = DevicePlanner(device, self.kernels["plan_decode"], self._table)
+            self._planner.device = DevicePlanner(
+                device,
+                self.kernels["plan_decode"],
+                self._table,
+                self.kernels["plan_prefill"] if "plan_prefill" in self.kernels else None,
+            )
         self._tvm_tensor, self._dl_device_type = tvm.runtime.Tensor, device.dlpack_device_type()
         self._dev_index, self._device_name = device.index, tensors.device_name(device)
         self._torch_fast: tuple | None = None  # (torch.Tensor, the cache's torch dtype, torch device), on first use

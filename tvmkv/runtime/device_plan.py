@@ -1,4 +1,4 @@
-"""Decode steps planned on the device, from a page table that lives there.
+"""Decode and prefill steps planned on the device, from a page table that lives there.
 
 A decode step whose batch changed (sequences arrived, finished, forked, were preempted or reordered)
 cannot reuse the last step's arrays (``plan.RepeatDecode``); planning it on the host walks every
@@ -9,17 +9,19 @@ lacks, where those pages sit in the stage, its page_indptr — followed by the p
 (a page a sequence opened this step, a new or forked sequence's list). One upload and one launch of
 ``plan_decode`` (:mod:`tvmkv.tir.plan_ops`) then patch the table and write the step's arrays into the
 packed index buffer, exactly where the host planner would have put them (same layout, same slot), so
-the attention kernels and their bound forwards are the same.
+the attention kernels and their bound forwards are the same. A prefill or mixed step (no token tree, no
+window) stages two more ints per sequence, its q_indptr and new tokens, and launches ``plan_prefill``,
+which also writes every new token's position and slot.
 
 Which pages the table holds for a sequence is ``Sequence.synced``: every change of a page list other
 than an append lowers it (``sequences.Sequence``), and this planner raises it when the stage carries
 the rest. The table grows (rows as sequences are added, width as the longest one grows) by
 replacing it; every sequence is then rewritten at its next step.
 
-Streams: ``plan_decode`` runs on TVM's current stream when ``begin_forward`` is called, so the
-forward's attention calls must run on that stream too (or be ordered after it), as they are when a
-whole step runs inside one ``tvm_ffi.use_torch_stream`` or outside any. The table is written only by
-``plan_decode``, in stream order; like the index buffer ring (see ``index_buffer``), a step on another
+Streams: ``plan_decode`` and ``plan_prefill`` run on TVM's current stream when ``begin_forward`` is
+called, so the forward's attention calls must run on that stream too (or be ordered after it), as they
+are when a whole step runs inside one ``tvm_ffi.use_torch_stream`` or outside any. The table is written
+only by these two launches, in stream order; like the index buffer ring (see ``index_buffer``), a step on another
 stream must not start before the last step's kernels finished, which any per-step readback
 guarantees.
 """
@@ -32,25 +34,26 @@ from struct import Struct
 
 import numpy as np
 
-from ..tir.decode_layout import STAGE_COLS
 from .index_buffer import IndexBuffers
 from .sequences import SequenceTable
 
 _ROW = attrgetter("row")
 _SYNCED = attrgetter("synced")
 _MIN_ROWS, _MIN_WIDTH = 64, 64
+_MAX_LAYOUTS = 256  # offsets (and struct packers) kept before starting over
 
 
 class DevicePlanner:
     """The device page table of one cache and the ``plan_decode`` launches that read it."""
 
-    def __init__(self, device, kernel, table: SequenceTable):
+    def __init__(self, device, kernel, table: SequenceTable, prefill_kernel=None):
         self.device, self.kernel, self.seqs = device, kernel, table
+        self.prefill_kernel = prefill_kernel  # plan_prefill (None: a library built before it, or MLA)
         self.stage = IndexBuffers(device, 1024)
         self.table = None  # [rows, width] int32 on the device
         self.rows = self.width = 0
-        self._offsets: dict = {}  # batch -> the layout offsets plan_decode takes
-        self._packers: dict = {}  # ints per stage head -> struct.Struct writing them
+        self._offsets: dict = {}  # (batch, new tokens) -> the layout offsets plan_decode / plan_prefill take
+        self._packers: dict = {}  # ints staged at once -> struct.Struct writing them
 
     def ensure(self, max_pages: int) -> None:
         """Room for every sequence's row and for ``max_pages`` pages in a row (called before a step
@@ -68,13 +71,16 @@ class DevicePlanner:
             seq.synced = 0
 
     def offsets(self, layout) -> tuple:
-        """plan_decode's offset arguments for a decode ``layout`` (docs/layout.md, "Page tables")."""
-        B = layout.arrays["last_page_len"][1][0]
-        off = self._offsets.get(B)
+        """The offset arguments plan_decode / plan_prefill take for ``layout`` (docs/layout.md, "Page
+        tables"), a layout of one token-tree row (``plan.PackedLayout``)."""
+        a = layout.arrays
+        B, total = a["last_page_len"][1][0], a["q_pos"][1][0]
+        off = self._offsets.get((B, total))
         if off is None:
-            a = layout.arrays
+            if len(self._offsets) >= _MAX_LAYOUTS:  # (a prefill's totals vary)
+                self._offsets = {}
             zero_end = a["kv_tree_start"][0] + B
-            off = self._offsets[B] = (
+            off = self._offsets[(B, total)] = (
                 a["q_indptr"][0],
                 a["q_pos"][0],
                 a["slots"][0],
@@ -90,33 +96,56 @@ class DevicePlanner:
         """Write a decode step's index arrays into ``out`` (the index buffer's slot) for ``seqs``,
         whose pages are reserved (``npages`` each; :meth:`ensure` was called for them), ``hist`` their
         kv lengths before the step, ``starts`` the page_indptr (``B + 1`` entries)."""
+        self._launch(self.kernel, out, layout, seqs, hist, npages, (starts,))
+
+    def plan_prefill(
+        self, out, layout, seqs: list, hist: list, npages: list, starts: list, q_starts: list, lengths: list, pages
+    ) -> None:
+        """:meth:`plan` of a prefill or mixed step (no token tree, no window) by ``plan_prefill``:
+        ``lengths`` new tokens each, ``q_starts`` the q_indptr (``B + 1`` entries). ``pages``: the pages
+        the table lacks, in batch order, where the caller knows them (it then sets every sequence's
+        ``synced`` to its ``npages``), else None."""
+        self._launch(self.prefill_kernel, out, layout, seqs, hist, npages, (starts, q_starts, lengths), pages)
+
+    def _launch(self, kernel, out, layout, seqs: list, hist: list, npages: list, cols: tuple, pages=None) -> None:
+        """Stage each sequence's row, ``hist``, first page the table lacks, where its pages sit, and
+        ``cols`` (the first ``B`` entries of each), then the pages the table lacks (``pages``, or read
+        from the sequences, whose ``synced`` is then raised); upload; launch."""
         B = len(seqs)
         synced = list(map(_SYNCED, seqs))
         run = list(map(_ROW, seqs))
         run += hist
         run += synced
+        new = None
         if synced == npages:  # the table holds every page of the batch
             run += [0] * B
-            extra, new = 0, None
+            extra = 0
         else:
             at = list(accumulate(map(sub, npages, synced), initial=0))
             run += at[:B]
             extra = at[B]
-            new = list(compress(seqs, map(ne, synced, npages)))
-        run += starts[:B]
-        head = STAGE_COLS * B
+            if pages is None:
+                new = list(compress(seqs, map(ne, synced, npages)))
+        for col in cols:
+            run += col[:B]
+        head = len(run)
+        if pages is not None and extra:  # (staged with the heads: one pack)
+            assert len(pages) == extra
+            run += pages
         sb = self.stage
         slot = sb.next_slot(head + extra)
-        packer = self._packers.get(head)
+        packer = self._packers.get(len(run))
         if packer is None:  # (struct packs a list of ints about 3x faster than array or NumPy do)
-            packer = self._packers[head] = Struct(f"{head}i")
+            if len(self._packers) >= _MAX_LAYOUTS:
+                self._packers = {}
+            packer = self._packers[len(run)] = Struct(f"{len(run)}i")
         packer.pack_into(sb.host.data, 0, *run)
         if new:
             sb.write_concatenated(head, extra, [seq.pages[seq.synced :] for seq in new])
             for seq in new:
                 seq.synced = seq.num_pages
         sb.upload(slot, head + extra)
-        self.kernel(sb.tail(slot, 0), self.table, out, B, *self.offsets(layout))
+        kernel(sb.tail(slot, 0), self.table, out, B, *self.offsets(layout))
 
     def check(self) -> list:
         """Problems of the device table against the sequences' page lists (reads it back)."""

@@ -81,7 +81,7 @@ class ForwardInfo:
     repeated: bool  # planned by advancing the previous decode step's plan in place
     slot: int  # device slot of the index buffer ring
     arrays: dict  # name -> NumPy copy of the uploaded index array (docs/layout.md)
-    planned_on_device: bool = False  # its arrays written by plan_decode from the device page table
+    planned_on_device: bool = False  # its arrays written by plan_decode / plan_prefill from the device page table
     decode_layout: str = ""  # the layout of the decode's bound one-launch kernel (DecodeSplit.layout; "_small_batch")
 
 

@@ -8,7 +8,8 @@ sequences, and returns a :class:`StepPlan` naming where each array sits (:class:
 facade uploads the used prefix in one copy. A decode step whose batch changed in more than a few rows
 is planned on the device instead where the kernel library allows
 (:class:`~tvmkv.runtime.device_plan.DevicePlanner`: the same arrays, written into the same slot by one
-launch from a device-resident page table; nothing to upload but five ints per sequence).
+launch from a device-resident page table; nothing to upload but five ints per sequence), and so is a
+prefill or mixed forward without token trees or windows (:meth:`Planner._prefill_device`, seven ints).
 
 The planner keeps, per shape ``(B, n, tree rows)`` of a forward, its layout, the host views of its
 arrays, their device views per ring slot and, for a decode shape, the constant part of its arrays
@@ -19,9 +20,9 @@ no token tree: what a server runs between arrivals, departures, forks and preemp
 its own: up to :data:`_FEW` sequences over Python ints written as one int32 run through a memoryview
 (a NumPy call costs more than the Python for a few sequences), above that about a dozen whole-batch
 NumPy calls; Python per sequence only for those that get a page. Copy-on-write is looked for only
-when some sequence's last page is shared (``PagePool.shared``, one set test). A prefill or mixed
-forward of up to :data:`_FEW` sequences without token trees or windows (a chunked prefill beside
-decodes) is planned over Python ints per sequence and NumPy per new token
+when some sequence's last page is shared (``PagePool.shared``, one set test). Without device planning
+a prefill or mixed forward of up to :data:`_FEW` sequences without token trees or windows (a chunked
+prefill beside decodes) is planned over Python ints per sequence and NumPy per new token
 (:meth:`Planner._prefill_few`); other forwards take the general path, :func:`plan_step`, which is
 vectorized over sequences too. Every path writes the same
 arrays for the same input (tests/test_planner.py checks them against docs/layout.md).
@@ -77,6 +78,7 @@ _PAGES = attrgetter("pages")
 _LAST_PAGE = attrgetter("last_page")
 _STAMP = attrgetter("stamp")
 _WINDOW = attrgetter("window")
+_SYNCED = attrgetter("synced")
 _INT = {int}
 _NONE = np.zeros(0, np.int64)
 _FEW = 64  # decode and prefill batches up to this size are planned over Python ints (_decode_few, _prefill_few)
@@ -273,9 +275,12 @@ class Planner:
             if len(seqs) <= self.few:
                 return self._decode_few(seq_ids, seqs, pool, table, copy_page)
             return self._decode(seq_ids, seqs, pool, table, copy_page)
-        self._clean = None  # both prefill paths write the whole packed region
-        if parents is None and len(seqs) <= self.few and not (table.num_windowed and any(map(_WINDOW, seqs))):
-            return self._prefill_few(seq_ids, seqs, lengths, pool, table, copy_page)
+        self._clean = None  # every prefill path writes the whole packed region
+        if parents is None and not (table.num_windowed and any(map(_WINDOW, seqs))):
+            if self.device is not None and self.device.prefill_kernel is not None:
+                return self._prefill_device(seq_ids, seqs, lengths, pool, table, copy_page)
+            if len(seqs) <= self.few:
+                return self._prefill_few(seq_ids, seqs, lengths, pool, table, copy_page)
         P, B = self.page_size, len(seqs)
         history = np.fromiter(map(_KV_LEN, seqs), np.int64, B)
         lens = np.array(lengths, np.int64)
@@ -385,6 +390,44 @@ class Planner:
             shape,
             want,
         )
+
+    def _prefill_device(
+        self, seq_ids: list, seqs: list, lengths: list, pool: PagePool, table: SequenceTable, copy_page
+    ) -> StepPlan:
+        """:meth:`_prefill_few`'s forward, any batch, with its arrays written on the device
+        (``DevicePlanner.plan_prefill``): the pages reserved here over Python ints per sequence, nothing
+        per new token, one upload and one launch."""
+        P, B, ib, device = self.page_size, len(seqs), self.ib, self.device
+        assert device is not None
+        hist = list(map(_KV_LEN, seqs))
+        end = list(map(add, hist, lengths))
+        want = list(map(floordiv, map(add, end, repeat(P - 1)), repeat(P)))  # pages after the step
+        have = list(map(floordiv, map(add, hist, repeat(P - 1)), repeat(P)))  # pages now
+        shared = pool.shared  # a partial last page that is shared gets a copy first
+        cow = [i for i, (h, seq) in enumerate(zip(hist, seqs)) if h % P and seq.last_page in shared] if shared else []
+        grow = list(map(sub, want, have))
+        needed = sum(grow) + len(cow)
+        if needed and not pool.ensure_free(needed):
+            raise OutOfPagesError(needed, pool.num_free)
+        device.ensure(max(want))  # (a bigger table, before anything changes)
+        # the pages the device table lacks: where it held every page before this step and no page is
+        # copied, those just handed out, in batch order (else DevicePlanner gathers them)
+        fresh = not cow and list(map(_SYNCED, seqs)) == have
+        new = reserve(seqs, cow, grow, pool, table, copy_page, P) if needed else []
+        total = sum(lengths)
+        shape = self.shape(B, total, 1)
+        starts = list(accumulate(want, initial=0))  # page_indptr
+        nnz = starts[B]
+        slot = ib.next_slot(shape.layout.used(nnz))
+        q_starts = list(accumulate(lengths, initial=0))
+        device.plan_prefill(
+            ib.tail(slot, 0), shape.layout, seqs, hist, want, starts, q_starts, lengths, new if fresh else None
+        )
+        for seq, n, w in zip(seqs, end, want):  # (the device table holds all their pages now)
+            seq.kv_len, seq.stamp, seq.synced = n, 0, w
+        kernel = "paged_prefill_causal" if any(hist) else "ragged_prefill_causal"
+        layout = shape.layout
+        return StepPlan(seq_ids, lengths, total, kernel, [], layout, slot, nnz, max(end), shape, want, None, 0, True)
 
     def _iota(self, n: int) -> np.ndarray:
         """``0 .. n - 1`` (int32; a view of one array kept and grown)."""
@@ -552,18 +595,19 @@ def _decode_pages(seqs: list, opens: list, cow: list, pool: PagePool, table: Seq
     return rows, new
 
 
-def reserve(seqs: list, cow: list, grow: list, pool: PagePool, table: SequenceTable, copy_page, P: int):
+def reserve(seqs: list, cow: list, grow: list, pool: PagePool, table: SequenceTable, copy_page, P: int) -> list:
     """Give the sequences at rows ``cow`` a copy of their shared partial last page (``copy_page(src,
     dst, num_slots)``) and each ``seqs[i]`` ``grow[i]`` new pages, in batch order (a copy before the
-    new pages of its sequence). The caller checked that enough pages are free."""
+    new pages of its sequence); returns the pages handed out, in that order. The caller checked that
+    enough pages are free."""
     if not cow and not any(grow):
-        return
+        return []
     new = pool.alloc(len(cow) + sum(grow))  # handed out in the order one allocation per row would take
     if not cow:
         rows = list(compress(range(len(grow)), grow))
         if len(rows) == len(new):  # a page each (a prefill chunk of at most a page per sequence)
             table.grow_each([seqs[i] for i in rows], new)
-            return
+            return new
     cow_set = set(cow)
     changed = sorted(cow_set.union(compress(range(len(grow)), grow)))
     k, grown, their = 0, [], []
@@ -578,6 +622,7 @@ def reserve(seqs: list, cow: list, grow: list, pool: PagePool, table: SequenceTa
             their.append(new[k : k + g])
             k += g
     table.grow_many(grown, their)
+    return new
 
 
 def choose_kernel(tree: bool, total: int, batch: int, has_history: bool) -> str:

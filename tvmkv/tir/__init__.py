@@ -109,6 +109,7 @@ def kernel_set(
         "gather_pages": page_ops.make_gather_pages(spec),
         "scatter_pages": page_ops.make_scatter_pages(spec),
         "plan_decode": plan_ops.make_plan_decode(spec),
+        "plan_prefill": plan_ops.make_plan_prefill(spec),
     }
     if spec.fp8_pages:  # re-encode stored codes under new scales (calibration, imports)
         kernels["requantize_pages"] = page_ops.make_requantize_pages(spec)

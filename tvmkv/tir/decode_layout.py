@@ -58,6 +58,8 @@ MERGE_MAX_SPLITS = 64  # most chunks paged_decode_split_merge merges in-kernel (
 # ints per sequence in plan_decode's stage (tvmkv.tir.plan_ops): row, kv length before the step, first
 # page new to the device table, where its new pages start, page_indptr
 STAGE_COLS = 5
+# ints per sequence in plan_prefill's stage: plan_decode's five, then q_indptr[b] and the new tokens
+PREFILL_STAGE_COLS = 7
 
 
 def decode_layout(
