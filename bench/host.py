@@ -383,7 +383,7 @@ def render(rows, meta) -> str:
         "bodies) in both caches, so this is host overhead only. Median µs over "
         f"{meta['steps']} steps; the caches run in alternating blocks of 10 steps in one process, so "
         "load from other processes hits both alike. tvmkv plans a decode step of the same batch as the "
-        "step before by updating that plan in place (`plan.RepeatDecode`); rows with a changed batch "
+        "step before by updating that plan in place (`repeat_decode.RepeatDecode`); rows with a changed batch "
         "take its general planning path: *order flipped* reverses the batch order each step, *one replaced* "
         "removes one sequence and adds a new, empty one in its row, *a fork* replaces one row's sequence "
         "by a fork of it at its last page boundary rolled back one token (`pop_n` 1; the parent is removed "
@@ -436,7 +436,7 @@ def render(rows, meta) -> str:
     lines += [
         "",
         "How tvmkv plans these steps: a batch that repeats the previous decode step's is advanced in place "
-        "(`plan.RepeatDecode`: one add over the packed `q_pos` / `slots` / `last_page_len`, a page for each "
+        "(`repeat_decode.RepeatDecode`: one add over the packed `q_pos` / `slots` / `last_page_len`, a page for each "
         "sequence whose new token opens one, one upload). A changed batch is planned on the device "
         '(`device_plan.DevicePlanner`, docs/layout.md "Device page table"): the pages are reserved on the '
         "host, then five ints per sequence (row, kv length, first page the device table lacks, where those "

@@ -177,7 +177,7 @@ def test_page_indices_follow_page_lists_after_every_operation(rng):
 
 def test_decode_fast_path_arrays_follow_page_lists(rng):
     """White-box: a decode step that repeats the previous step's batch is planned by updating that plan
-    in place (``plan.RepeatDecode``). After every such step (and every other operation in between:
+    in place (``repeat_decode.RepeatDecode``). After every such step (and every other operation in between:
     forks with copy-on-write, pop_n, removals, a pool running out of pages) every index array must
     equal what the Python page lists and lengths say (docs/layout.md)."""
     P = 4
@@ -287,7 +287,7 @@ def test_decode_splits_option_is_validated():
 
 def test_begin_forward_reads_a_one_shot_batch_once():
     """A batch given as iterators (read once), tuples or arrays is planned as the same lists are, also
-    where the cache keeps a repeat-decode plan from the steps before (``plan.RepeatDecode``): that plan
+    where the cache keeps a repeat-decode plan from the steps before (``repeat_decode.RepeatDecode``): that plan
     used to read the iterators itself and, declining the step, leave the general path an empty batch.
     Oracle: the sequences' lengths and the step's query positions, counted here."""
     cache = PagedAttentionKVCache(

@@ -379,7 +379,7 @@ def test_rows_replaced_between_decode_steps(size, num_pages, device_planning, ta
     pages (its partial last page shared) or a windowed one takes a row; meanwhile another, kept row's
     sequence may be popped, swapped out and in, get its last page shared, or run another forward.
     Every step's arrays and pages must be the layout's whether the kept plan is patched
-    (plan.RepeatDecode, without device planning), the step planned on the device from its page table
+    (repeat_decode.RepeatDecode, without device planning), the step planned on the device from its page table
     (which must follow every one of those changes) or on the host; with few pages some steps are
     refused."""
     d = Driver(11, num_pages, size, device_planning, target)  # sequences 0 .. size - 1

@@ -294,7 +294,7 @@ def test_rows_replaced_in_a_kept_decode_batch(size, device_planning):
     """A decode batch whose rows are replaced one or two at a time (a fork of the row's sequence rolled
     back into its shared page, a new sequence over a prefix of another's pages, a fresh short one; the
     old one removed or kept, the same id reused), with kept rows popped or swapped now and then: the
-    kept plan is patched (plan.RepeatDecode) or the step planned anew, and outputs must equal the
+    kept plan is patched (repeat_decode.RepeatDecode) or the step planned anew, and outputs must equal the
     model's every step (rope inline: a wrong position changes them). With device planning the
     steps whose rows moved are planned on the device instead."""
     pair = _Pair(num_pages=900, seed=5, device_planning=device_planning)
@@ -348,7 +348,7 @@ def test_kept_row_sharing_a_copied_page_is_copied_too(device_planning):
     """A kept row's partial last page shared both with a row new to the batch (which gets its copy)
     and with a sequence outside the batch that owns a slot past the kept row's length (hostile round
     11): the kept row must not write its token into that page in place. Before the fix the patched
-    plan (plan.RepeatDecode) copied the page for the new row only, and the kept row's token
+    plan (repeat_decode.RepeatDecode) copied the page for the new row only, and the kept row's token
     overwrote the outsider's K/V at that slot."""
     pair = _Pair(num_pages=200, seed=3, device_planning=device_planning)
     c, m = pair.c, pair.m

@@ -29,7 +29,8 @@ from .index_buffer import RING, IndexBuffers
 from .kv_scales import KvScales
 from .launch import Forward, ForwardInfo, Launcher, device_views, graph_key, run_layer, run_paged, run_ragged
 from .pages import PageHolder, PagePool
-from .plan import PackedLayout, Planner, RepeatDecode, history_tables
+from .plan import PackedLayout, Planner, history_tables
+from .repeat_decode import RepeatDecode
 from .sequences import SequenceInfo, SequenceTable, as_int, check_id
 from .swap import DEFAULT_STAGING_BYTES, HostSwap
 
@@ -570,7 +571,7 @@ class PagedAttentionKVCache:
             append_lengths = _int_list(append_lengths, "append_lengths")
         R, ib = self._repeat, self._index
         if R is not None and token_tree_parent_ptr is None and R.advance(seq_ids, append_lengths):
-            # the decode fast path: the last decode step's plan, advanced in place (plan.RepeatDecode),
+            # the decode fast path: the last decode step's plan, advanced in place (repeat_decode.RepeatDecode),
             # uploaded, and the forward bound for this slot reused (kept flat: this runs every step)
             L = self._launcher
             split = NO_SPLIT if L.granule is None else L.decode_split(len(R.seqs), R.max_keys)

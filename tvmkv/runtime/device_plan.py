@@ -1,7 +1,7 @@
 """Decode and prefill steps planned on the device, from a page table that lives there.
 
 A decode step whose batch changed (sequences arrived, finished, forked, were preempted or reordered)
-cannot reuse the last step's arrays (``plan.RepeatDecode``); planning it on the host walks every
+cannot reuse the last step's arrays (``repeat_decode.RepeatDecode``); planning it on the host walks every
 sequence several times in Python. :class:`DevicePlanner` keeps each sequence's page list in a device
 table instead (``table[Sequence.row, k]``, docs/layout.md "Device page table") and writes, per step,
 five integers per sequence into a small staging buffer — its row, kv length, first page the table

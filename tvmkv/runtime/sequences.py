@@ -209,7 +209,7 @@ class SequenceTable:
 
     Every page a resident sequence lists holds one reference of the pool for it; a swapped sequence
     lists no pages. ``version`` changes with every change of a page list, length or window, so the
-    planner's repeat-decode step (``plan.RepeatDecode``) knows when its plan went stale.
+    planner's repeat-decode step (``repeat_decode.RepeatDecode``) knows when its plan went stale.
     """
 
     def __init__(self, pool: PagePool, page_size: int):
