@@ -2,14 +2,16 @@
 
 Random streams of add / remove / fork / pop_n / sliding-window / decode (new batches, reordered
 batches, repeated batches: the fast path) / prefill / token-tree / commit operations drive a small
-cache (llvm; cuda too where a GPU is) through its public API, decode steps of a changed batch planned
-on the device (``device_planning``, its page table kept there) or on the host; after every
+cache (llvm; cuda too where a GPU is) through its public API, decode steps of a changed batch and
+prefill steps planned on the device (``device_planning``, its page table kept there) or on the host;
+after every
 ``begin_forward`` each array ``debug_forward()`` reads
 back from the device must equal what the layout document defines, built here from the sequences'
 public state before the step (``sequence_info``, ``pool.ref_count``) and the tree parents this test
 issued. Pages are checked too: a sequence keeps its pages, a shared partial last page is replaced by
 a copy (copy-on-write), new pages come last, and a forward the pool cannot serve changes nothing.
-No attention runs (the kernels are the real ones: copy-on-write copies pages, plan_decode plans).
+No attention runs (the kernels are the real ones: copy-on-write copies pages, plan_decode and
+plan_prefill plan).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class Driver:
         self.last_decode: tuple | None = None
         self.forwards = self.repeats = self.out_of_pages = self.cows = self.large = self.on_device = 0
         self.prefills_on_device = 0  # prefill / mixed steps planned on the device (plan_prefill)
-        self.wide_prefills = 0  # prefill / mixed steps above FEW sequences (plan_step on the host, not _prefill_few)
+        self.wide_prefills = 0  # prefill / mixed steps above FEW sequences (device or plan_step)
 
     def ids(self) -> list:
         return self.cache.sequence_ids()

@@ -34,17 +34,18 @@ from struct import Struct
 
 import numpy as np
 
+from ..tir.decode_layout import PREFILL_STAGE_COLS, STAGE_COLS
 from .index_buffer import IndexBuffers
 from .sequences import SequenceTable
 
 _ROW = attrgetter("row")
 _SYNCED = attrgetter("synced")
 _MIN_ROWS, _MIN_WIDTH = 64, 64
-_MAX_LAYOUTS = 256  # offsets (and struct packers) kept before starting over
+_MAX_LAYOUTS = 256  # offsets kept before starting over
 
 
 class DevicePlanner:
-    """The device page table of one cache and the ``plan_decode`` launches that read it."""
+    """The device page table of one cache and the ``plan_decode`` / ``plan_prefill`` launches that read it."""
 
     def __init__(self, device, kernel, table: SequenceTable, prefill_kernel=None):
         self.device, self.kernel, self.seqs = device, kernel, table
@@ -53,7 +54,7 @@ class DevicePlanner:
         self.table = None  # [rows, width] int32 on the device
         self.rows = self.width = 0
         self._offsets: dict = {}  # (batch, new tokens) -> the layout offsets plan_decode / plan_prefill take
-        self._packers: dict = {}  # ints staged at once -> struct.Struct writing them
+        self._packers: dict = {}  # ints per stage head -> struct.Struct writing them
 
     def ensure(self, max_pages: int) -> None:
         """Room for every sequence's row and for ``max_pages`` pages in a row (called before a step
@@ -96,7 +97,7 @@ class DevicePlanner:
         """Write a decode step's index arrays into ``out`` (the index buffer's slot) for ``seqs``,
         whose pages are reserved (``npages`` each; :meth:`ensure` was called for them), ``hist`` their
         kv lengths before the step, ``starts`` the page_indptr (``B + 1`` entries)."""
-        self._launch(self.kernel, out, layout, seqs, hist, npages, (starts,))
+        self._launch(self.kernel, STAGE_COLS, out, layout, seqs, hist, npages, (starts,))
 
     def plan_prefill(
         self, out, layout, seqs: list, hist: list, npages: list, starts: list, q_starts: list, lengths: list, pages
@@ -105,12 +106,14 @@ class DevicePlanner:
         ``lengths`` new tokens each, ``q_starts`` the q_indptr (``B + 1`` entries). ``pages``: the pages
         the table lacks, in batch order, where the caller knows them (it then sets every sequence's
         ``synced`` to its ``npages``), else None."""
-        self._launch(self.prefill_kernel, out, layout, seqs, hist, npages, (starts, q_starts, lengths), pages)
+        cols = (starts, q_starts, lengths)
+        self._launch(self.prefill_kernel, PREFILL_STAGE_COLS, out, layout, seqs, hist, npages, cols, pages)
 
-    def _launch(self, kernel, out, layout, seqs: list, hist: list, npages: list, cols: tuple, pages=None) -> None:
+    def _launch(self, kernel, ncols: int, out, layout, seqs: list, hist: list, npages: list, cols: tuple, pages=None):
         """Stage each sequence's row, ``hist``, first page the table lacks, where its pages sit, and
-        ``cols`` (the first ``B`` entries of each), then the pages the table lacks (``pages``, or read
-        from the sequences, whose ``synced`` is then raised); upload; launch."""
+        ``cols`` (the first ``B`` entries of each: ``ncols`` columns in all, as ``kernel`` reads them),
+        then the pages the table lacks (``pages``, or read from the sequences, whose ``synced`` is then
+        raised); upload; launch."""
         B = len(seqs)
         synced = list(map(_SYNCED, seqs))
         run = list(map(_ROW, seqs))
@@ -129,18 +132,17 @@ class DevicePlanner:
         for col in cols:
             run += col[:B]
         head = len(run)
-        if pages is not None and extra:  # (staged with the heads: one pack)
-            assert len(pages) == extra
-            run += pages
+        assert head == ncols * B
         sb = self.stage
         slot = sb.next_slot(head + extra)
-        packer = self._packers.get(len(run))
+        packer = self._packers.get(head)
         if packer is None:  # (struct packs a list of ints about 3x faster than array or NumPy do)
-            if len(self._packers) >= _MAX_LAYOUTS:
-                self._packers = {}
-            packer = self._packers[len(run)] = Struct(f"{len(run)}i")
+            packer = self._packers[head] = Struct(f"{head}i")
         packer.pack_into(sb.host.data, 0, *run)
-        if new:
+        if pages is not None and extra:
+            assert len(pages) == extra
+            sb.host[head : head + extra] = pages
+        elif new:
             sb.write_concatenated(head, extra, [seq.pages[seq.synced :] for seq in new])
             for seq in new:
                 seq.synced = seq.num_pages

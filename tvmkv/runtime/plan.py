@@ -188,9 +188,10 @@ class Planner:
         # step changes only per-sequence arrays), so the next one of that shape skips the copy
         self._clean: StepShape | None = None
         self.decodes = 0  # decode plans made: the stamp (Sequence.stamp) of the last one's records
-        # plans decode steps of a changed batch on the device (device_plan.DevicePlanner), if the kernel
-        # library has plan_decode; the batch of the last one it planned (a repeat of it is planned here,
-        # so that the repeat-decode fast path takes over from the step after)
+        # plans decode steps of a changed batch, and prefill steps without trees or windows, on the device
+        # (device_plan.DevicePlanner), if the kernel library has plan_decode (and plan_prefill); the batch
+        # of the last decode step it planned (a repeat of it is planned here, so that the repeat-decode
+        # fast path takes over from the step after)
         self.device: DevicePlanner | None = None
         self._device_ids: list | None = None
         self._packers: dict = {}  # ints per decode run -> struct.Struct writing them (_decode_few)
@@ -264,7 +265,7 @@ class Planner:
             if len(seqs) <= self.few:
                 return self._decode_few(seq_ids, seqs, pool, table, copy_page)
             return self._decode(seq_ids, seqs, pool, table, copy_page)
-        self._clean = None  # every prefill path writes the whole packed region
+        self._clean = None  # the host prefill paths write the whole packed region (the device path: none of it)
         if parents is None and not (table.num_windowed and any(map(_WINDOW, seqs))):
             if self.device is not None and self.device.prefill_kernel is not None:
                 return self._prefill_device(seq_ids, seqs, lengths, pool, table, copy_page)
@@ -415,8 +416,9 @@ class Planner:
         for seq, n, w in zip(seqs, end, want):  # (the device table holds all their pages now)
             seq.kv_len, seq.stamp, seq.synced = n, 0, w
         kernel = "paged_prefill_causal" if any(hist) else "ragged_prefill_causal"
-        layout = shape.layout
-        return StepPlan(seq_ids, lengths, total, kernel, [], layout, slot, nnz, max(end), shape, want, None, 0, True)
+        return StepPlan(
+            seq_ids, lengths, total, kernel, [], shape.layout, slot, nnz, max(end), shape, npages=want, on_device=True
+        )
 
     def _iota(self, n: int) -> np.ndarray:
         """``0 .. n - 1`` (int32; a view of one array kept and grown)."""

@@ -27,13 +27,13 @@ LANES = 32  # threads per sequence (cuda, plan_decode)
 PREFILL_LANES = 128  # threads per sequence (cuda, plan_prefill: a sequence may bring thousands of tokens)
 
 
-def plan_decode_func(spec: KernelSpec, body):
-    """The ``plan_decode`` PrimFunc of ``spec`` around ``body``, a macro without arguments, which
-    reads the parameters of :func:`make_plan_decode` by name (``plan_prefill``'s signature too)."""
+def plan_func(spec: KernelSpec, body):
+    """The PrimFunc of ``plan_decode`` or ``plan_prefill`` (one signature) of ``spec`` around ``body``, a
+    macro without arguments, which reads the parameters of :func:`make_plan_decode` by name."""
     attrs = func_attrs(spec)
 
     @T.prim_func
-    def plan_decode(
+    def plan(
         var_stage: T.handle,
         var_table: T.handle,
         var_out: T.handle,
@@ -54,7 +54,7 @@ def plan_decode_func(spec: KernelSpec, body):
         out = T.match_buffer(var_out, (n_out,), "int32")
         body()
 
-    return plan_decode
+    return plan
 
 
 def make_plan_decode(spec: KernelSpec):
@@ -145,7 +145,7 @@ def make_plan_decode(spec: KernelSpec):
                         out[q_indptr_at + batch] = batch
                         out[page_indptr_at + batch] = start + n
 
-    return plan_decode_func(spec, cpu_body if spec.is_cpu else gpu_body)
+    return plan_func(spec, cpu_body if spec.is_cpu else gpu_body)
 
 
 def make_plan_prefill(spec: KernelSpec):
@@ -218,4 +218,4 @@ def make_plan_prefill(spec: KernelSpec):
             for lane in T.thread_binding(PREFILL_LANES, thread="threadIdx.x"):
                 sequence(b, lane, PREFILL_LANES)
 
-    return plan_decode_func(spec, cpu_body if spec.is_cpu else gpu_body)
+    return plan_func(spec, cpu_body if spec.is_cpu else gpu_body)
