@@ -379,6 +379,29 @@ def test_gather(target, cfg, rng):
     _assert_bits_equal(pages_d.numpy(), pages)
 
 
+def _plan_layout(batch: int, total: int, zeros: int) -> tuple:
+    """A packed layout of a step as plan.PackedLayout places arrays (64-byte boundaries, padding between
+    them): ``(offsets by name, where page_indices starts)`` for ``total`` new tokens and ``zeros``
+    elements of the region the plan kernels zero."""
+    at, off = 0, {}
+    for name, size in [
+        ("q_indptr", batch + 1),
+        ("q_pos", total),
+        ("slots", total),
+        ("lpl", batch),
+        ("page_indptr", batch + 1),
+        ("zero", zeros),
+    ]:
+        off[name], at = at, at + -(-size // 16) * 16
+    return off, at
+
+
+def _plan_offsets(off: dict, zeros: int, pi: int) -> list:
+    """The 8 offset arguments of plan_decode / plan_prefill for :func:`_plan_layout`'s layout."""
+    names = ("q_indptr", "q_pos", "slots", "lpl", "page_indptr", "zero")
+    return [off[name] for name in names] + [off["zero"] + zeros, pi]
+
+
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2], CONFIGS[5]], ids=[CONFIG_IDS[0], CONFIG_IDS[2], CONFIG_IDS[5]])
 @pytest.mark.parametrize("batch", [1, 7, 70])
 def test_plan_decode(target, cfg, batch, rng):
@@ -400,19 +423,7 @@ def test_plan_decode(target, cfg, batch, rng):
     delta = np.concatenate([[0], np.cumsum([len(x) for x in new])])[:-1]
     starts = np.concatenate([[0], np.cumsum(npages)])
     stage = np.concatenate([row, kv, first, delta, starts[:-1], *new]).astype(np.int32)
-    # a decode layout: arrays at 64-byte boundaries with padding between them (plan.PackedLayout)
-    al = lambda n: -(-n // 16) * 16  # noqa: E731
-    at, off = 0, {}
-    for name, size in [
-        ("q_indptr", batch + 1),
-        ("q_pos", batch),
-        ("slots", batch),
-        ("lpl", batch),
-        ("page_indptr", batch + 1),
-        ("zero", 9 * batch + 5),
-    ]:
-        off[name], at = at, at + al(size)
-    pi = at
+    off, pi = _plan_layout(batch, batch, 9 * batch + 5)
     out = rng.integers(-9, 9, pi + starts[-1] + 37).astype(np.int32)
     want, want_table = out.copy(), table.copy()
     want[off["q_indptr"] : off["q_indptr"] + batch + 1] = np.arange(batch + 1)
@@ -425,16 +436,7 @@ def test_plan_decode(target, cfg, batch, rng):
     for r, p in zip(row, pages):
         want_table[r, : len(p)] = p
     table_d, out_d = to_dev(table, target), to_dev(out, target)
-    offsets = [
-        off["q_indptr"],
-        off["q_pos"],
-        off["slots"],
-        off["lpl"],
-        off["page_indptr"],
-        off["zero"],
-        off["zero"] + 9 * batch + 5,
-        pi,
-    ]
+    offsets = _plan_offsets(off, 9 * batch + 5, pi)
     _kernels(target, cfg)["plan_decode"](to_dev(stage, target), table_d, out_d, batch, *offsets)
     np.testing.assert_array_equal(out_d.numpy(), want)
     np.testing.assert_array_equal(table_d.numpy(), want_table)
@@ -472,19 +474,8 @@ def test_plan_prefill(target, cfg, batch, rng):
     assert len(cols) == PREFILL_STAGE_COLS
     stage = np.concatenate([*cols, *new]).astype(np.int32)
     total = int(q_starts[-1])
-    al = lambda n: -(-n // 16) * 16  # noqa: E731
-    at, off = 0, {}
-    for name, size in [
-        ("q_indptr", batch + 1),
-        ("q_pos", total),
-        ("slots", total),
-        ("lpl", batch),
-        ("page_indptr", batch + 1),
-        ("zero", 3 * batch + 2 * total + 4 * batch + 1),
-    ]:
-        off[name], at = at, at + al(size)
     nz = 3 * batch + 2 * total + 4 * batch + 1
-    pi = at
+    off, pi = _plan_layout(batch, total, nz)
     out = rng.integers(-9, 9, pi + starts[-1] + 37).astype(np.int32)
     want, want_table = out.copy(), table.copy()
     q_pos, slots = [], []
@@ -503,8 +494,7 @@ def test_plan_prefill(target, cfg, batch, rng):
     for r, p in zip(row, pages):
         want_table[r, : len(p)] = p
     table_d, out_d = to_dev(table, target), to_dev(out, target)
-    offsets = [off[name] for name in ("q_indptr", "q_pos", "slots", "lpl", "page_indptr", "zero")]
-    offsets += [off["zero"] + nz, pi]
+    offsets = _plan_offsets(off, nz, pi)
     _kernels(target, cfg)["plan_prefill"](to_dev(stage, target), table_d, out_d, batch, *offsets)
     np.testing.assert_array_equal(out_d.numpy(), want)
     np.testing.assert_array_equal(table_d.numpy(), want_table)

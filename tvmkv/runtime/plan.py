@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, repeat
-from operator import add, attrgetter, floordiv, mod, ne, neg, not_, sub
+from operator import add, attrgetter, floordiv, mod, ne, not_, sub
 from struct import Struct
 from typing import Any
 
@@ -329,17 +329,8 @@ class Planner:
         sequences: the per-sequence work over Python ints (pages to reserve, copy-on-write, indptrs,
         last-page fill), NumPy only over the new tokens (their positions and slots)."""
         P, B, ib = self.page_size, len(seqs), self.ib
-        hist = list(map(_KV_LEN, seqs))
-        end = list(map(add, hist, lengths))
-        want = [-(-e // P) for e in end]  # pages after the step
-        grow = list(map(sub, want, map(neg, map(floordiv, map(neg, hist), repeat(P)))))
-        shared = pool.shared  # a partial last page that is shared gets a copy first
-        cow = [i for i, (h, seq) in enumerate(zip(hist, seqs)) if h % P and seq.last_page in shared] if shared else []
-        needed = sum(grow) + len(cow)
-        if needed:
-            if not pool.ensure_free(needed):
-                raise OutOfPagesError(needed, pool.num_free)
-            reserve(seqs, cow, grow, pool, table, copy_page, P)
+        hist, end, want, _, cow, grow = self._prefill_pages(seqs, lengths, pool)
+        reserve(seqs, cow, grow, pool, table, copy_page, P)
         total = sum(lengths)
         shape = self.shape(B, total, 1)
         layout = shape.layout
@@ -381,6 +372,24 @@ class Planner:
             want,
         )
 
+    def _prefill_pages(self, seqs: list, lengths: list, pool: PagePool) -> tuple:
+        """What a prefill or mixed step (no token tree, no window) of ``seqs`` needs, over Python ints:
+        ``(hist, end, want, have, cow, grow)``: kv lengths before and after the step, pages after it and
+        now, the rows whose shared partial last page gets a copy, new pages per row. Raises
+        OutOfPagesError, having changed nothing, when the pool cannot free enough pages."""
+        P = self.page_size
+        hist = list(map(_KV_LEN, seqs))
+        end = list(map(add, hist, lengths))
+        want = list(map(floordiv, map(add, end, repeat(P - 1)), repeat(P)))
+        have = list(map(floordiv, map(add, hist, repeat(P - 1)), repeat(P)))
+        shared = pool.shared  # a partial last page that is shared gets a copy first
+        cow = [i for i, (h, seq) in enumerate(zip(hist, seqs)) if h % P and seq.last_page in shared] if shared else []
+        grow = list(map(sub, want, have))
+        needed = sum(grow) + len(cow)
+        if needed and not pool.ensure_free(needed):
+            raise OutOfPagesError(needed, pool.num_free)
+        return hist, end, want, have, cow, grow
+
     def _prefill_device(
         self, seq_ids: list, seqs: list, lengths: list, pool: PagePool, table: SequenceTable, copy_page
     ) -> StepPlan:
@@ -389,21 +398,12 @@ class Planner:
         per new token, one upload and one launch."""
         P, B, ib, device = self.page_size, len(seqs), self.ib, self.device
         assert device is not None
-        hist = list(map(_KV_LEN, seqs))
-        end = list(map(add, hist, lengths))
-        want = list(map(floordiv, map(add, end, repeat(P - 1)), repeat(P)))  # pages after the step
-        have = list(map(floordiv, map(add, hist, repeat(P - 1)), repeat(P)))  # pages now
-        shared = pool.shared  # a partial last page that is shared gets a copy first
-        cow = [i for i, (h, seq) in enumerate(zip(hist, seqs)) if h % P and seq.last_page in shared] if shared else []
-        grow = list(map(sub, want, have))
-        needed = sum(grow) + len(cow)
-        if needed and not pool.ensure_free(needed):
-            raise OutOfPagesError(needed, pool.num_free)
+        hist, end, want, have, cow, grow = self._prefill_pages(seqs, lengths, pool)
         device.ensure(max(want))  # (a bigger table, before anything changes)
         # the pages the device table lacks: where it held every page before this step and no page is
         # copied, those just handed out, in batch order (else DevicePlanner gathers them)
         fresh = not cow and list(map(_SYNCED, seqs)) == have
-        new = reserve(seqs, cow, grow, pool, table, copy_page, P) if needed else []
+        new = reserve(seqs, cow, grow, pool, table, copy_page, P)
         total = sum(lengths)
         shape = self.shape(B, total, 1)
         starts = list(accumulate(want, initial=0))  # page_indptr

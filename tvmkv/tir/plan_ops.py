@@ -27,6 +27,16 @@ LANES = 32  # threads per sequence (cuda, plan_decode)
 PREFILL_LANES = 128  # threads per sequence (cuda, plan_prefill: a sequence may bring thousands of tokens)
 
 
+@macro
+def zero_share(b, lane, lanes):
+    """Thread ``lane`` of sequence ``b``'s ``lanes`` zeroes its share of ``out[zero_at:zero_end]`` (the
+    whole range over every thread of the launch), in a plan kernel's body."""
+    for it in T.serial((zero_end - zero_at + batch * lanes - 1) // (batch * lanes)):
+        z = zero_at + (it * batch + b) * lanes + lane
+        if z < zero_end:
+            out[z] = 0
+
+
 def plan_func(spec: KernelSpec, body):
     """The PrimFunc of ``plan_decode`` or ``plan_prefill`` (one signature) of ``spec`` around ``body``, a
     macro without arguments, which reads the parameters of :func:`make_plan_decode` by name."""
@@ -119,10 +129,7 @@ def make_plan_decode(spec: KernelSpec):
                 delta = S * batch + stage[3 * batch + b]
                 start = stage[4 * batch + b]
                 n = hist // P + 1
-                for it in T.serial((zero_end - zero_at + batch * LANES - 1) // (batch * LANES)):
-                    z = zero_at + (it * batch + b) * LANES + lane
-                    if z < zero_end:
-                        out[z] = 0
+                zero_share(b, lane, LANES)
                 for it in T.serial((n + LANES - 1) // LANES):
                     k = it * LANES + lane
                     if k < n:
@@ -179,10 +186,7 @@ def make_plan_prefill(spec: KernelSpec):
         qs = stage[5 * batch + b]
         m = stage[6 * batch + b]
         n = (hist + m + P - 1) // P
-        for it in T.serial((zero_end - zero_at + batch * lanes - 1) // (batch * lanes)):
-            z = zero_at + (it * batch + b) * lanes + lane
-            if z < zero_end:
-                out[z] = 0
+        zero_share(b, lane, lanes)
         for it in T.serial((n + lanes - 1) // lanes):
             k = it * lanes + lane
             if k < n:
